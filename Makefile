@@ -1,0 +1,31 @@
+# Two set-up commands: `make run` (main job) and `make test` (the test suite). Both create .venv if missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tqvec-installed
+DATASET ?= glove-50-angular
+BITS ?= 1 2 3 4
+
+.PHONY: run test install distortion clean-venv
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU build of torch unless an NVIDIA GPU is present (a bare `torch` would pull a multi-GB CUDA build)
+	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; else $(PY) -m pip install -q torch==2.13.0; fi
+	$(PY) -m pip install -q -e '.[bench,test,gpu,kv]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/tqvec bench ann --dataset $(DATASET) --bits $(BITS)
+
+distortion: $(STAMP)
+	$(VENV)/bin/tqvec bench distortion
+
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
+
+clean-venv:
+	rm -rf $(VENV)

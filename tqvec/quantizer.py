@@ -1,0 +1,220 @@
+"""TurboQuant: online, data-oblivious vector quantization (arXiv 2504.19874) with QJL (arXiv 2406.03482).
+
+``encode`` stores ‖x‖, rotates x/‖x‖ with a seeded random rotation Π and quantizes every rotated
+coordinate with the Lloyd–Max codebook of the exact coordinate density (no training data).
+
+* ``mode="mse"``: ``bits`` bits per coordinate. ⟨q, x⟩ ≈ ‖x‖·⟨Πq, ŷ⟩ (biased low: ×2/π at 1 bit).
+* ``mode="prod"``: ``bits − 1`` bits of ``mse`` plus 1-bit QJL of the rotated residual r = Πu − ŷ:
+  ``sign(S·r)`` with S a seeded D×D Gaussian, and ‖r‖. ⟨q, x⟩ ≈ ‖x‖·(⟨Πq, ŷ⟩ + ‖r‖·√(π/2)/D·⟨SΠq, sign(S·r)⟩),
+  an unbiased estimate.
+* ``rescale=True`` (``mse`` only): store ``‖x‖ / ⟨ŷ, Πu⟩`` in place of ‖x‖. This removes each vector's
+  own shrinkage of ŷ toward 0, so scores are nearly unbiased per vector (same 32 bits per vector).
+
+Fractional ``bits`` (e.g. 2.5) split the D rotated channels into two groups: the first
+``round(frac·D)`` channels at ``ceil(bits)`` bits, the rest at ``floor(bits)`` bits, each group with the
+Lloyd–Max codebook of its own bit width (rotated channels are exchangeable, so which channels get the
+extra bit does not matter). The packed layout is documented in :mod:`tqvec.packing`.
+
+Seeds: Π comes from ``seed``; S from ``seed + QJL_SEED_OFFSET``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from . import scan
+from .codebook import lloyd_max_codebook
+from .packing import Layout, pack, pack_signs, split_channels, unpack_signs
+from .rotation import gaussian_matrix, make_rotation
+from .validation import as_float_matrix, check_bits, check_choice, check_positive_int
+
+MODES = ("mse", "prod")
+QJL_SEED_OFFSET = 0x9E3779B1
+ENCODE_BLOCK_ROWS = 65536
+
+
+@dataclass
+class Codes:
+    """Encoded vectors. All tensors share one device; ``n`` rows.
+
+    * ``packed``: ``(n, layout.row_bytes)`` uint8 codebook indices (layout: :mod:`tqvec.packing`).
+    * ``scales``: ``(n,)`` float32, the multiplier of ⟨Πq, ŷ⟩: ‖x‖, or ‖x‖/⟨ŷ, Πu⟩ with ``rescale``.
+    * ``qjl``: ``(n, ceil(D/8))`` uint8 QJL sign bits (``prod`` mode only).
+    * ``residual_norms``: ``(n,)`` float32 ‖Πu − ŷ‖ of the unit vector (``prod`` mode only).
+    """
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    qjl: torch.Tensor | None = None
+    residual_norms: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all stored fields."""
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [t for t in (getattr(self, f.name) for f in fields(self)) if t is not None]
+
+    def __getitem__(self, rows: Any) -> "Codes":
+        """Codes of the selected rows (a slice, index tensor or boolean mask)."""
+        return Codes(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows] for f in fields(self)})
+
+    def to(self, device: torch.device | str) -> "Codes":
+        return Codes(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device) for f in fields(self)})
+
+    @staticmethod
+    def cat(parts: list["Codes"]) -> "Codes":
+        """Concatenate codes of one quantizer along rows."""
+        return Codes(**{
+            f.name: None if getattr(parts[0], f.name) is None else torch.cat([getattr(p, f.name) for p in parts])
+            for f in fields(Codes)
+        })
+
+
+class TurboQuantizer:
+    """TurboQuant for ``dim``-dimensional vectors at ``bits`` bits per coordinate (1–8, fractional allowed).
+
+    ``rotation="haar"`` (dense, O(d²)) or ``"hadamard"`` (fast, pads to a power of two D ≥ dim).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        bits: float = 4,
+        mode: str = "mse",
+        rotation: str = "haar",
+        seed: int = 0,
+        rescale: bool = False,
+    ) -> None:
+        self.dim = check_positive_int("dim", dim)
+        if self.dim < 2:
+            raise ValueError(f"dim must be at least 2, got {dim}")
+        self.bits = check_bits(bits)
+        self.mode = check_choice("mode", mode, MODES)
+        check_choice("rotation", rotation, ("haar", "hadamard"))
+        if rescale and mode != "mse":
+            raise ValueError("rescale applies to mode='mse' only (prod scores are already unbiased)")
+        self.seed, self.rescale = int(seed), bool(rescale)
+        self.rotation = make_rotation(rotation, self.dim, self.seed)
+        self.rotated_dim = self.rotation.out_dim
+        codebook_dim = max(self.rotated_dim, 3)
+        self.layout: Layout = split_channels(self.rotated_dim, self.bits - (mode == "prod"))
+        self.codebooks = [lloyd_max_codebook(codebook_dim, b) if b else None for _, b in self.layout.segments]
+        levels = torch.zeros(len(self.layout.segments), 256, dtype=torch.float32)
+        for s, cb in enumerate(self.codebooks):
+            if cb is not None:
+                levels[s, : len(cb.levels)] = torch.as_tensor(cb.levels, dtype=torch.float32)
+        self._tables = {torch.device("cpu"): scan.CodeTable(self.layout, levels)}
+        self._boundaries = [None if cb is None else torch.as_tensor(cb.boundaries, dtype=torch.float32) for cb in self.codebooks]
+        self._qjl_cpu = gaussian_matrix(self.rotated_dim, self.rotated_dim, self.seed + QJL_SEED_OFFSET) if mode == "prod" else None
+        self._qjl: dict[torch.device, torch.Tensor] = {}
+
+    def __repr__(self) -> str:
+        return (f"TurboQuantizer(dim={self.dim}, bits={self.bits:g}, mode={self.mode!r}, "
+                f"rotation={self.rotation.kind!r}, seed={self.seed}, rescale={self.rescale})")
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def bits_per_vector(self) -> int:
+        """Exact stored bits per vector: packed codes (byte-padded) + float32 scale (+ QJL bits and ‖r‖)."""
+        bits = 8 * self.layout.row_bytes + 32
+        if self.mode == "prod":
+            bits += 8 * math.ceil(self.rotated_dim / 8) + 32
+        return bits
+
+    @property
+    def expected_unit_mse(self) -> float:
+        """Theoretical E‖u − û‖² of the ``mse`` part for a unit vector (sum of per-channel codebook MSE)."""
+        return sum(d * (cb.mse if cb else 1.0 / self.rotated_dim) for (d, _), cb in zip(self.layout.segments, self.codebooks))
+
+    # ------------------------------------------------------------------ device caches
+    def table(self, device: torch.device | str) -> scan.CodeTable:
+        """Layout and codebook levels on ``device``."""
+        device = torch.device(device)
+        if device not in self._tables:
+            self._tables[device] = self._tables[torch.device("cpu")].to(device)
+        return self._tables[device]
+
+    def qjl_matrix(self, device: torch.device | str) -> torch.Tensor:
+        """The QJL projection S, ``(D, D)`` float32 on ``device`` (``prod`` mode only)."""
+        if self._qjl_cpu is None:
+            raise ValueError("QJL matrix exists in mode='prod' only")
+        device = torch.device(device)
+        if device not in self._qjl:
+            self._qjl[device] = self._qjl_cpu.to(device)
+        return self._qjl[device]
+
+    # ------------------------------------------------------------------ encode / decode
+    def encode(self, x: Any) -> Codes:
+        """Encode ``x`` ``(n, dim)`` (numpy or torch, float16/32/64) into :class:`Codes` on ``x``'s device."""
+        x = as_float_matrix(x, self.dim, "x")
+        parts = [self._encode_block(x[i:i + ENCODE_BLOCK_ROWS]) for i in range(0, x.shape[0], ENCODE_BLOCK_ROWS)]
+        return Codes.cat(parts) if parts else self._encode_block(x)
+
+    def _quantize(self, rotated: torch.Tensor) -> torch.Tensor:
+        """``(n, D)`` rotated unit vectors → ``(n, D)`` int64 codebook indices."""
+        indices, start = [], 0
+        for (dim, _), boundaries in zip(self.layout.segments, self._boundaries):
+            seg = rotated[:, start:start + dim]
+            start += dim
+            indices.append(torch.zeros_like(seg, dtype=torch.int64) if boundaries is None
+                           else torch.bucketize(seg.contiguous(), boundaries.to(seg.device)))
+        return torch.cat(indices, dim=1)
+
+    def _encode_block(self, x: torch.Tensor) -> Codes:
+        norms = torch.linalg.vector_norm(x, dim=1)
+        unit = x / torch.where(norms > 0, norms, torch.ones_like(norms))[:, None]
+        rotated = self.rotation.forward(unit)
+        packed = pack(self._quantize(rotated), self.layout)
+        approx = scan.dequantize(packed, self.table(x.device))
+        scales = norms
+        if self.rescale:
+            alignment = (approx * rotated).sum(1)
+            scales = torch.where(alignment > 0, norms / alignment.clamp_min(1e-30), norms)
+        if self.mode == "mse":
+            return Codes(packed, scales)
+        residual = rotated - approx
+        signs = pack_signs(residual @ self.qjl_matrix(x.device).T)
+        return Codes(packed, scales, signs, torch.linalg.vector_norm(residual, dim=1))
+
+    def decode(self, codes: Codes) -> torch.Tensor:
+        """Reconstruct ``(n, dim)`` float32 vectors from ``codes`` (in ``prod`` mode including the QJL term)."""
+        rotated = scan.dequantize(codes.packed, self.table(codes.device))
+        if self.mode == "prod":
+            signs = unpack_signs(codes.qjl, self.rotated_dim)
+            gain = math.sqrt(math.pi / 2) / self.rotated_dim
+            rotated = rotated + gain * codes.residual_norms[:, None] * (signs @ self.qjl_matrix(codes.device))
+        return self.rotation.inverse(rotated) * codes.scales[:, None]
+
+    # ------------------------------------------------------------------ scoring
+    def rotate_queries(self, queries: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rotated queries ``Πq`` ``(nq, D)`` and, in ``prod`` mode, their QJL projections ``SΠq``."""
+        q = as_float_matrix(queries, self.dim, "queries")
+        rotated = self.rotation.forward(q)
+        projected = rotated @ self.qjl_matrix(q.device).T if self.mode == "prod" else None
+        return rotated, projected
+
+    def code_block(self, codes: Codes, bias: torch.Tensor | None = None) -> scan.CodeBlock:
+        """The scan's view of ``codes``: per-vector scale, optional additive ``bias`` ``(n,)``, QJL terms."""
+        if self.mode == "mse":
+            return scan.CodeBlock(codes.packed, codes.scales, bias)
+        gain = math.sqrt(math.pi / 2) / self.rotated_dim
+        return scan.CodeBlock(codes.packed, codes.scales, bias, codes.qjl, codes.scales * codes.residual_norms * gain)
+
+    def inner_product(self, queries: Any, codes: Codes) -> torch.Tensor:
+        """Estimated ⟨q, x⟩ ``(nq, n)`` float32 for ``queries`` ``(nq, dim)``, computed blockwise on the codes' device."""
+        rotated, projected = self.rotate_queries(queries)
+        rotated = rotated.to(codes.device)
+        projected = None if projected is None else projected.to(codes.device)
+        return scan.scores(rotated, self.code_block(codes), self.table(codes.device), projected)

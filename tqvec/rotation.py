@@ -1,0 +1,111 @@
+"""Seeded random rotations applied to batches of row vectors, as torch ops on any device.
+
+* :class:`HaarRotation` — a Haar-random orthogonal matrix (QR of a Gaussian with the signs of R's
+  diagonal folded into Q), generated in float64 on the CPU from the seed so that every device and
+  platform gets the same matrix. ``O(d²)`` per vector.
+* :class:`HadamardRotation` — a randomized Hadamard transform ``H·D/√P`` (random ±1 signs D, fast
+  Walsh–Hadamard H) on vectors zero-padded to the next power of two P ≥ d. ``O(P log P)`` per vector;
+  the rotated vectors have P coordinates, so codes cost P, not d, channels when d is not a power of two.
+
+Both map ``(n, dim)`` → ``(n, out_dim)`` with :meth:`forward` and back with :meth:`inverse`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator(device="cpu").manual_seed(int(seed))
+
+
+def haar_matrix(dim: int, seed: int) -> torch.Tensor:
+    """A ``(dim, dim)`` float64 Haar-random orthogonal matrix, deterministic in ``seed``."""
+    gaussian = torch.randn(dim, dim, generator=_generator(seed), dtype=torch.float64)
+    q, r = torch.linalg.qr(gaussian)
+    return q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(()))
+
+
+def gaussian_matrix(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """A ``(rows, cols)`` float32 matrix of i.i.d. N(0, 1) entries (the QJL projection S)."""
+    return torch.randn(rows, cols, generator=_generator(seed), dtype=torch.float64).to(torch.float32)
+
+
+def fast_walsh_hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Unnormalized Walsh–Hadamard transform along the last axis (length a power of two)."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"length must be a power of two, got {n}")
+    lead = x.shape[:-1]
+    h = 1
+    while h < n:
+        pairs = x.reshape(*lead, n // (2 * h), 2, h)
+        x = torch.stack((pairs[..., 0, :] + pairs[..., 1, :], pairs[..., 0, :] - pairs[..., 1, :]), dim=-2)
+        h *= 2
+    return x.reshape(*lead, n)
+
+
+class HaarRotation:
+    """``y = x @ Πᵀ`` with a seeded Haar-random orthogonal Π (``dim × dim``)."""
+
+    kind = "haar"
+
+    def __init__(self, dim: int, seed: int) -> None:
+        self.dim = self.out_dim = dim
+        self._matrix64 = haar_matrix(dim, seed)
+        self._matrices: dict[torch.device, torch.Tensor] = {}
+
+    def matrix(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Π as float32 on ``device`` (cached per device)."""
+        device = torch.device(device)
+        if device not in self._matrices:
+            self._matrices[device] = self._matrix64.to(device=device, dtype=torch.float32)
+        return self._matrices[device]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(n, dim)`` float32 → rotated ``(n, dim)``."""
+        return x @ self.matrix(x.device).T
+
+    def inverse(self, y: torch.Tensor) -> torch.Tensor:
+        """``(n, dim)`` rotated → ``(n, dim)`` original coordinates."""
+        return y @ self.matrix(y.device)
+
+
+class HadamardRotation:
+    """``y = H·D·pad(x)/√P``: random signs then a fast Walsh–Hadamard transform on P = 2^⌈log₂ dim⌉."""
+
+    kind = "hadamard"
+
+    def __init__(self, dim: int, seed: int) -> None:
+        self.dim = dim
+        self.out_dim = 1 << max(0, math.ceil(math.log2(dim)))
+        self._signs64 = torch.randint(0, 2, (self.out_dim,), generator=_generator(seed), dtype=torch.float64) * 2 - 1
+        self._signs: dict[torch.device, torch.Tensor] = {}
+
+    def signs(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        device = torch.device(device)
+        if device not in self._signs:
+            self._signs[device] = self._signs64.to(device=device, dtype=torch.float32)
+        return self._signs[device]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(n, dim)`` float32 → rotated ``(n, out_dim)``."""
+        padded = torch.nn.functional.pad(x, (0, self.out_dim - self.dim))
+        return fast_walsh_hadamard(padded * self.signs(x.device)) / math.sqrt(self.out_dim)
+
+    def inverse(self, y: torch.Tensor) -> torch.Tensor:
+        """``(n, out_dim)`` rotated → ``(n, dim)`` (the transform is symmetric up to the signs)."""
+        x = fast_walsh_hadamard(y) / math.sqrt(self.out_dim) * self.signs(y.device)
+        return x[..., : self.dim]
+
+
+Rotation = HaarRotation | HadamardRotation
+ROTATIONS = {"haar": HaarRotation, "hadamard": HadamardRotation}
+
+
+def make_rotation(kind: str, dim: int, seed: int) -> Rotation:
+    """Build the rotation named ``kind`` ("haar" or "hadamard")."""
+    if kind not in ROTATIONS:
+        raise ValueError(f"unknown rotation {kind!r}; expected one of {sorted(ROTATIONS)}")
+    return ROTATIONS[kind](dim, seed)

@@ -1,0 +1,166 @@
+"""THE dispatch point for "float queries × packed codes → scores / top-k".
+
+Index search, ``TurboQuantizer.inner_product`` and KV attention all call :func:`scores` or
+:func:`search`; none of them knows whether torch (CPU) or a Triton kernel (CUDA) ran.
+
+For database vector ``i`` with packed indices decoded to rotated-domain values ``ŷ_i`` (the
+codebook levels), and QJL sign bits ``s_i ∈ {±1}^D`` in ``prod`` mode, the score of rotated query
+``q`` (with QJL projection ``p = S q``) is::
+
+    score(q, i) = scale[i] · ⟨q, ŷ_i⟩ + sign_scale[i] · ⟨p, s_i⟩ + bias[i]
+
+CPU path: decode a block of rows to float32 through a byte → levels lookup table, then one GEMM
+(measured faster on CPU than a per-query lookup-table scan: see README), then a running top-k.
+Memory stays bounded by ``block_rows × query_chunk`` floats.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .packing import Layout, unpack, unpack_signs
+
+#: rows decoded per block on the CPU path
+BLOCK_ROWS = 16384
+#: at most this many float32 scores live at once per block (query chunking)
+MAX_BLOCK_SCORES = 1 << 22
+
+
+@dataclass(frozen=True)
+class CodeTable:
+    """Static decoding data of one quantizer: the packed layout and its codebook levels.
+
+    ``levels`` is ``(n_segments, 256)`` float32: row ``s`` holds segment ``s``'s levels (zero-padded).
+    """
+
+    layout: Layout
+    levels: torch.Tensor
+    _luts: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def to(self, device: torch.device | str) -> "CodeTable":
+        return CodeTable(self.layout, self.levels.to(device))
+
+    def byte_lookup(self, segment: int) -> torch.Tensor:
+        """``(256, 8 // bits)`` float32: the levels of every code packed in one byte value of ``segment``."""
+        if segment not in self._luts:
+            bits = self.layout.segments[segment][1]
+            byte = torch.arange(256, device=self.levels.device)
+            shifts = bits * torch.arange(8 // bits, device=self.levels.device)
+            self._luts[segment] = self.levels[segment][(byte[:, None] >> shifts) & ((1 << bits) - 1)]
+        return self._luts[segment]
+
+
+@dataclass(frozen=True)
+class CodeBlock:
+    """What the scan reads for ``n`` database vectors (all on one device)."""
+
+    packed: torch.Tensor  # (n, layout.row_bytes) uint8
+    scale: torch.Tensor  # (n,) float32
+    bias: torch.Tensor | None = None  # (n,) float32, added to every score
+    signs: torch.Tensor | None = None  # (n, ceil(D / 8)) uint8 QJL sign bits
+    sign_scale: torch.Tensor | None = None  # (n,) float32
+
+    def __len__(self) -> int:
+        return self.packed.shape[0]
+
+    def rows(self, start: int, stop: int) -> "CodeBlock":
+        """The block of rows ``[start, stop)`` (views, no copy)."""
+        cut = lambda t: None if t is None else t[start:stop]  # noqa: E731
+        return CodeBlock(cut(self.packed), cut(self.scale), cut(self.bias), cut(self.signs), cut(self.sign_scale))
+
+
+def dequantize(packed: torch.Tensor, table: CodeTable) -> torch.Tensor:
+    """``(n, row_bytes)`` uint8 → ``(n, D)`` float32 rotated-domain levels ``ŷ`` (unit scale)."""
+    layout, n = table.layout, packed.shape[0]
+    parts, byte = [], 0
+    for s, ((dim, bits), nbytes) in enumerate(zip(layout.segments, layout.segment_bytes)):
+        seg = packed[:, byte:byte + nbytes]
+        byte += nbytes
+        if bits == 0:
+            parts.append(packed.new_zeros((n, dim), dtype=torch.float32))
+        elif 8 % bits == 0:
+            parts.append(table.byte_lookup(s)[seg.long()].reshape(n, nbytes * (8 // bits))[:, :dim])
+        else:
+            idx = unpack(seg, Layout(((dim, bits),)))
+            parts.append(table.levels[s][idx])
+    return torch.cat(parts, dim=1)
+
+
+def _block_scores(queries: torch.Tensor, projected: torch.Tensor | None, block: CodeBlock, table: CodeTable) -> torch.Tensor:
+    """Scores of all queries against one block: ``(nq, len(block))`` float32."""
+    out = (queries @ dequantize(block.packed, table).T) * block.scale
+    if block.signs is not None:
+        if projected is None:
+            raise ValueError("codes carry QJL signs: projected queries (S·q) are required")
+        signs = unpack_signs(block.signs, projected.shape[1])
+        out += (projected @ signs.T) * block.sign_scale
+    if block.bias is not None:
+        out += block.bias
+    return out
+
+
+def _check(queries: torch.Tensor, projected: torch.Tensor | None, block: CodeBlock, table: CodeTable) -> None:
+    if queries.ndim != 2 or queries.shape[1] != table.layout.dim:
+        raise ValueError(f"rotated queries must be (nq, {table.layout.dim}), got {tuple(queries.shape)}")
+    if projected is not None and projected.shape[0] != queries.shape[0]:
+        raise ValueError("projected queries must have one row per query")
+
+
+def _use_kernels(queries: torch.Tensor) -> bool:
+    return queries.is_cuda
+
+
+def scores(queries: torch.Tensor, block: CodeBlock, table: CodeTable, projected: torch.Tensor | None = None) -> torch.Tensor:
+    """All scores ``(nq, n)`` float32 of rotated ``queries`` ``(nq, D)`` against ``block``."""
+    _check(queries, projected, block, table)
+    queries = queries.float()
+    projected = None if projected is None else projected.float()
+    if _use_kernels(queries):
+        from .kernels import ops  # noqa: PLC0415 - Triton is optional and CUDA-only
+
+        return ops.scores(queries, block, table, projected)
+    out = torch.empty(queries.shape[0], len(block), dtype=torch.float32, device=queries.device)
+    for start in range(0, len(block), BLOCK_ROWS):
+        stop = min(start + BLOCK_ROWS, len(block))
+        out[:, start:stop] = _block_scores(queries, projected, block.rows(start, stop), table)
+    return out
+
+
+def search(
+    queries: torch.Tensor,
+    block: CodeBlock,
+    table: CodeTable,
+    k: int,
+    projected: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` largest scores per query: ``(values (nq, k) float32, rows (nq, k) int64)``.
+
+    Rows index ``block``; when ``k > n`` the tail is padded with ``-inf`` / ``-1``. Best first.
+    """
+    _check(queries, projected, block, table)
+    queries = queries.float()
+    projected = None if projected is None else projected.float()
+    if _use_kernels(queries):
+        from .kernels import ops  # noqa: PLC0415
+
+        return ops.search(queries, block, table, k, projected)
+    nq, n = queries.shape[0], len(block)
+    best_values = torch.full((nq, k), float("-inf"), device=queries.device)
+    best_rows = torch.full((nq, k), -1, dtype=torch.int64, device=queries.device)
+    query_chunk = max(1, MAX_BLOCK_SCORES // BLOCK_ROWS)
+    for start in range(0, n, BLOCK_ROWS):
+        stop = min(start + BLOCK_ROWS, n)
+        rows = block.rows(start, stop)
+        for q0 in range(0, nq, query_chunk):
+            q1 = min(q0 + query_chunk, nq)
+            s = _block_scores(queries[q0:q1], None if projected is None else projected[q0:q1], rows, table)
+            take = min(k, stop - start)
+            v, r = torch.topk(s, take, dim=1)
+            merged_v = torch.cat([best_values[q0:q1], v], dim=1)
+            merged_r = torch.cat([best_rows[q0:q1], r + start], dim=1)
+            top_v, pos = torch.topk(merged_v, k, dim=1)
+            best_values[q0:q1] = top_v
+            best_rows[q0:q1] = torch.gather(merged_r, 1, pos)
+    best_rows[best_values == float("-inf")] = -1
+    return best_values, best_rows
