@@ -135,3 +135,19 @@ def pack_signs(values: torch.Tensor) -> torch.Tensor:
 def unpack_signs(packed: torch.Tensor, m: int) -> torch.Tensor:
     """Inverse of :func:`pack_signs`: ``(n, m)`` float32 of ±1."""
     return unpack(packed, Layout(((m, 1),))).to(torch.float32) * 2 - 1
+
+
+def layout_for_bytes(dim: int, row_bytes: int, max_bits: int = MAX_BITS) -> Layout:
+    """The layout of ``dim`` channels with the most code bits that packs into at most ``row_bytes`` bytes.
+
+    Bits are spread as evenly as possible (two segments: ``b + 1`` and ``b`` bits per channel).
+    """
+    if row_bytes < 0:
+        raise ValueError(f"row_bytes must be >= 0, got {row_bytes}")
+    for total in range(min(8 * row_bytes, dim * max_bits), -1, -1):
+        low, n_high = divmod(total, dim)
+        segments = tuple(s for s in ((n_high, low + 1), (dim - n_high, low)) if s[0] > 0)
+        layout = Layout(segments)
+        if layout.row_bytes <= row_bytes:
+            return layout
+    raise AssertionError("unreachable: total = 0 always fits")

@@ -86,6 +86,9 @@ class TurboQuantizer:
     """TurboQuant for ``dim``-dimensional vectors at ``bits`` bits per coordinate (1–8, fractional allowed).
 
     ``rotation="haar"`` (dense, O(d²)) or ``"hadamard"`` (fast, pads to a power of two D ≥ dim).
+    ``layout`` (keyword only) overrides the channel split of the ``mse`` part derived from ``bits``; it may
+    give channels 0 bits (they decode to 0), which lets budget-driven callers such as
+    :class:`~tqvec.index.Index` spend an exact number of bytes; ``bits`` then reports the realised rate.
     """
 
     def __init__(
@@ -96,6 +99,8 @@ class TurboQuantizer:
         rotation: str = "haar",
         seed: int = 0,
         rescale: bool = False,
+        *,
+        layout: Layout | None = None,
     ) -> None:
         self.dim = check_positive_int("dim", dim)
         if self.dim < 2:
@@ -109,7 +114,13 @@ class TurboQuantizer:
         self.rotation = make_rotation(rotation, self.dim, self.seed)
         self.rotated_dim = self.rotation.out_dim
         codebook_dim = max(self.rotated_dim, 3)
-        self.layout: Layout = split_channels(self.rotated_dim, self.bits - (mode == "prod"))
+        if layout is None:
+            layout = split_channels(self.rotated_dim, self.bits - (mode == "prod"))
+        elif layout.dim != self.rotated_dim:
+            raise ValueError(f"layout covers {layout.dim} channels, the rotation produces {self.rotated_dim}")
+        else:
+            self.bits = layout.bits_per_row / self.rotated_dim + (mode == "prod")
+        self.layout: Layout = layout
         self.codebooks = [lloyd_max_codebook(codebook_dim, b) if b else None for _, b in self.layout.segments]
         levels = torch.zeros(len(self.layout.segments), 256, dtype=torch.float32)
         for s, cb in enumerate(self.codebooks):
@@ -121,7 +132,7 @@ class TurboQuantizer:
         self._qjl: dict[torch.device, torch.Tensor] = {}
 
     def __repr__(self) -> str:
-        return (f"TurboQuantizer(dim={self.dim}, bits={self.bits:g}, mode={self.mode!r}, "
+        return (f"TurboQuantizer(dim={self.dim}, bits={self.bits:.4g}, mode={self.mode!r}, "
                 f"rotation={self.rotation.kind!r}, seed={self.seed}, rescale={self.rescale})")
 
     # ------------------------------------------------------------------ sizes

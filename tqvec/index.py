@@ -1,0 +1,398 @@
+"""``Index``: a flat TurboQuant index with FAISS conventions (``add`` / ``search`` → ``(D, I)``).
+
+Budget. ``bits`` is the storage budget per dimension, everything a vector costs counted (codes,
+QJL bits, per-vector side information; not its int64 id): each vector takes exactly
+``ceil(dim · bits / 8)`` bytes, so ``Index(bits=4)`` stores what FAISS ``SQ4`` or ``PQ{d/2}x8``
+stores. Side information is carved out of the budget and the codes get the rest, at fractional
+bits per channel where needed (:func:`tqvec.packing.layout_for_bytes`).
+
+Scoring (``correction``). Each vector ``x`` is encoded by
+:class:`~tqvec.quantizer.TurboQuantizer`; a query ``q`` is scored, for ``correction="center"``, as
+
+    ⟨q, x⟩ ≈ s_x · ⟨Π(q − c), ŷ_x⟩ + bias_x + (⟨q, c⟩ − ‖c‖²)
+
+with ``c`` a centering vector (the mean of the first ``add`` call, frozen, stored in the index),
+``ŷ_x`` the codebook levels of the rotated ``(x − c)/‖x − c‖``, ``s_x = ‖x − c‖ / ⟨ŷ_x, Π(x − c)/‖x − c‖⟩``
+(removes each vector's own shrinkage) and ``bias_x = ⟨c, x⟩`` exact. ``"rescale"`` drops the
+centering (``c = 0``, no bias); ``"none"`` stores the plain norm (plain TurboQuant; with
+``metric="cosine"`` nothing at all, the norm being 1). For ``metric="l2"``, ``bias_x`` also holds
+``−‖x‖²/2`` and ``D = ‖q‖² − 2·score``. The per-query constant does not change the ranking.
+Side information is float16 for ``cosine`` (bounded values) and float32 otherwise.
+``"auto"`` picks ``"center"`` when its side information takes at most ``AUTO_SIDE_SHARE`` of the
+budget, else the cheapest correction (measured on GloVe-50 and KJV-MiniLM: README, Index section).
+
+Concurrency. ``search`` may run from many threads at once. ``add`` and ``remove`` take a lock and
+never modify rows that a running search reads (``add`` writes past the published size, growth
+copies, ``remove`` builds new arrays), so every search sees the index as it was when it started.
+
+Memory. The scan runs blockwise (see :mod:`tqvec.scan`): no ``nq × N`` score matrix is formed.
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import scan, storage
+from .packing import layout_for_bytes
+from .quantizer import Codes, TurboQuantizer
+from .validation import as_float_matrix, as_ids, check_bits, check_choice, check_positive_int
+
+METRICS = ("ip", "l2", "cosine")
+CORRECTIONS = ("auto", "none", "rescale", "center")
+#: "auto" centers when scale + bias take at most this share of the per-vector budget
+AUTO_SIDE_SHARE = 0.25
+FILE_KIND = "tqvec.Index"
+FILE_VERSION = 1
+
+
+@dataclass
+class _Rows:
+    """Named per-row tensors with spare capacity; rows ``[0, size)`` are live and never modified in place."""
+
+    tensors: dict[str, torch.Tensor]
+    ids: np.ndarray
+    size: int
+
+    def view(self) -> "_Rows":
+        n = self.size
+        return _Rows({k: t[:n] for k, t in self.tensors.items()}, self.ids[:n], n)
+
+
+def _side_fields(metric: str, mode: str, correction: str) -> tuple[str, ...]:
+    """Per-vector side-information fields stored for this configuration."""
+    fields = () if (metric == "cosine" and correction == "none") else ("scale",)
+    if correction == "center" or metric == "l2":
+        fields += ("bias",)
+    if mode == "prod":
+        fields += ("residual",)
+    return fields
+
+
+class Index:
+    """Flat TurboQuant index (module docstring: budget, scoring, concurrency).
+
+    ``dim``; ``bits`` per-dimension storage budget (≥ 1, fractional allowed); ``metric`` "ip" | "l2" |
+    "cosine"; ``mode`` "mse" | "prod"; ``seed``; ``rotation`` "haar" | "hadamard"; ``correction``
+    "auto" | "none" | "rescale" | "center"; ``rerank_bits``: also keep a finer code at that many bits
+    per dimension for ``search(..., rerank=R)`` (extra bytes, reported apart); ``device`` "cpu" | "cuda".
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        bits: float = 4,
+        metric: str = "ip",
+        mode: str = "mse",
+        seed: int = 0,
+        rotation: str = "haar",
+        correction: str = "auto",
+        rerank_bits: float | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.dim = check_positive_int("dim", dim)
+        self.bits = check_bits(bits)
+        self.metric = check_choice("metric", metric, METRICS)
+        self.mode = check_choice("mode", mode, ("mse", "prod"))
+        check_choice("correction", correction, CORRECTIONS)
+        self.side_dtype = torch.float16 if metric == "cosine" else torch.float32
+        self.row_bytes = math.ceil(self.dim * self.bits / 8)
+        if correction == "auto":
+            side = self._side_bytes(_side_fields(metric, mode, "center"))
+            correction = "center" if side <= AUTO_SIDE_SHARE * self.row_bytes else ("none" if metric == "cosine" else "rescale")
+        self.correction = correction
+        self.side_fields = _side_fields(metric, mode, correction)
+        self.device = torch.device(device)
+        self.quantizer = self._budget_quantizer(self.row_bytes - self._side_bytes(self.side_fields), seed, rotation)
+        self.fine_quantizer = None
+        if rerank_bits is not None:
+            fine_bits = check_bits(rerank_bits)
+            self.fine_quantizer = TurboQuantizer(dim, fine_bits, "mse", rotation, seed + 1, rescale=True)
+        self._center: torch.Tensor | None = None
+        self._center_pending = correction == "center"
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._sorted: tuple[np.ndarray, np.ndarray] | None = None
+        self._rows = _Rows(self._empty_tensors(), np.zeros(0, np.int64), 0)
+
+    def _side_bytes(self, fields: tuple[str, ...]) -> int:
+        return len(fields) * torch.finfo(self.side_dtype).bits // 8
+
+    def _budget_quantizer(self, code_bytes: int, seed: int, rotation: str) -> TurboQuantizer:
+        """The quantizer whose packed codes (and QJL bits) fill ``code_bytes`` bytes per vector."""
+        probe = TurboQuantizer(self.dim, 1, self.mode, rotation, seed)
+        if self.mode == "prod":
+            code_bytes -= math.ceil(probe.rotated_dim / 8)
+        if code_bytes < 0 or (self.mode == "mse" and code_bytes == 0):
+            raise ValueError(f"bits={self.bits:g} leaves no room for codes at dim={self.dim} "
+                             f"(side information {self.side_fields} needs {self._side_bytes(self.side_fields)} bytes)")
+        layout = layout_for_bytes(probe.rotated_dim, code_bytes)
+        rescale = self.mode == "mse" and self.correction != "none"
+        return TurboQuantizer(self.dim, 1, self.mode, rotation, seed, rescale, layout=layout)
+
+    def _empty_tensors(self) -> dict[str, torch.Tensor]:
+        dev, side = self.device, self.side_dtype
+        tensors = {"packed": torch.zeros(0, self.quantizer.layout.row_bytes, dtype=torch.uint8, device=dev)}
+        tensors.update({name: torch.zeros(0, dtype=side, device=dev) for name in self.side_fields})
+        if self.mode == "prod":
+            tensors["qjl"] = torch.zeros(0, math.ceil(self.quantizer.rotated_dim / 8), dtype=torch.uint8, device=dev)
+        if self.fine_quantizer is not None:
+            tensors["fine_packed"] = torch.zeros(0, self.fine_quantizer.layout.row_bytes, dtype=torch.uint8, device=dev)
+            tensors["fine_scale"] = torch.zeros(0, dtype=torch.float32, device=dev)
+        return tensors
+
+    # ------------------------------------------------------------------ properties
+    def __len__(self) -> int:
+        return self._rows.size
+
+    @property
+    def ntotal(self) -> int:
+        """Number of stored vectors (FAISS name)."""
+        return len(self)
+
+    @property
+    def center(self) -> np.ndarray | None:
+        """The centering vector ``c`` (dim,) float32, or None."""
+        return None if self._center is None else self._center.cpu().numpy()
+
+    @property
+    def code_bytes_per_vector(self) -> int:
+        """Bytes per vector that scoring reads: codes, QJL bits and side information (≤ the budget)."""
+        q = self.quantizer
+        qjl = math.ceil(q.rotated_dim / 8) if self.mode == "prod" else 0
+        return q.layout.row_bytes + qjl + self._side_bytes(self.side_fields)
+
+    @property
+    def rerank_bytes_per_vector(self) -> int:
+        """Extra bytes per vector of the rerank code (0 without ``rerank_bits``)."""
+        fq = self.fine_quantizer
+        return 0 if fq is None else fq.layout.row_bytes + 4
+
+    @property
+    def bytes_per_vector(self) -> int:
+        """Everything stored per vector: codes, side information, rerank code and the int64 id."""
+        return self.code_bytes_per_vector + self.rerank_bytes_per_vector + 8
+
+    def __repr__(self) -> str:
+        return (f"Index(dim={self.dim}, bits={self.bits:g}, metric={self.metric!r}, mode={self.mode!r}, "
+                f"correction={self.correction!r}, n={len(self)}, code_bits={self.quantizer.bits:.3f})")
+
+    # ------------------------------------------------------------------ add
+    def add(self, x: Any, ids: Any = None) -> np.ndarray:
+        """Encode and append ``x`` ``(n, dim)``; ``ids`` int64 ``(n,)`` (default: consecutive). Returns the ids."""
+        x = as_float_matrix(x, self.dim, "x", self.device)
+        if self.metric == "cosine":
+            x = torch.nn.functional.normalize(x, dim=1)
+        with self._lock:
+            new_ids = self._new_ids(ids, x.shape[0])
+            if self._center_pending and x.shape[0]:
+                self._center = x.mean(0)
+                self._center_pending = False
+            self._append(self._encode(x), new_ids)
+        return new_ids
+
+    def _new_ids(self, ids: Any, n: int) -> np.ndarray:
+        if ids is None:
+            return np.arange(self._next_id, self._next_id + n, dtype=np.int64)
+        new = as_ids(ids, n)
+        if len(np.unique(new)) != n:
+            raise ValueError("ids contain duplicates")
+        present = self._rows_of(new, missing_ok=True) >= 0
+        if present.any():
+            raise ValueError(f"id {int(new[present][0])} is already in the index")
+        return new
+
+    def _encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-row tensors for ``x`` (already normalized for cosine)."""
+        centered = x if self._center is None else x - self._center
+        codes = self.quantizer.encode(centered)
+        out = {"packed": codes.packed}
+        side = {"scale": codes.scales, "residual": codes.residual_norms}
+        if "bias" in self.side_fields:
+            bias = torch.zeros(x.shape[0], device=x.device) if self._center is None else x @ self._center
+            side["bias"] = bias - 0.5 * (x * x).sum(1) if self.metric == "l2" else bias
+        out.update({name: side[name].to(self.side_dtype) for name in self.side_fields})
+        if self.mode == "prod":
+            out["qjl"] = codes.qjl
+        if self.fine_quantizer is not None:
+            fine = self.fine_quantizer.encode(centered)
+            out.update(fine_packed=fine.packed, fine_scale=fine.scales)
+        return out
+
+    def _append(self, new: dict[str, torch.Tensor], ids: np.ndarray) -> None:
+        rows, n, m = self._rows, self._rows.size, len(ids)
+        if n + m > len(rows.ids):  # grow geometrically: amortized O(1) per vector
+            cap = max(n + m, 2 * len(rows.ids), 1024)
+            grown = {}
+            for name, t in rows.tensors.items():
+                grown[name] = t.new_empty((cap, *t.shape[1:]))
+                grown[name][:n] = t[:n]
+            grown_ids = np.empty(cap, np.int64)
+            grown_ids[:n] = rows.ids[:n]
+            rows = _Rows(grown, grown_ids, n)
+        for name, t in new.items():
+            rows.tensors[name][n:n + m] = t
+        rows.ids[n:n + m] = ids
+        self._rows = _Rows(rows.tensors, rows.ids, n + m)  # publish: running searches keep their snapshot
+        self._next_id = max(self._next_id, int(ids.max()) + 1 if m else 0)
+        self._sorted = None
+
+    # ------------------------------------------------------------------ ids
+    def _rows_of(self, ids: np.ndarray, missing_ok: bool = False) -> np.ndarray:
+        """Row of each id (−1 if absent and ``missing_ok``, else ``KeyError``)."""
+        if self._sorted is None:
+            live = self._rows.ids[: self._rows.size]
+            order = np.argsort(live, kind="stable")
+            self._sorted = (live[order], order)
+        keys, order = self._sorted
+        if len(keys) == 0:
+            found, rows = np.zeros(len(ids), bool), np.full(len(ids), -1, np.int64)
+        else:
+            pos = np.searchsorted(keys, ids).clip(0, len(keys) - 1)
+            found = keys[pos] == ids
+            rows = np.where(found, order[pos], -1)
+        if not missing_ok and not found.all():
+            raise KeyError(f"unknown id {int(ids[~found][0])}")
+        return rows
+
+    def remove(self, ids: Any) -> int:
+        """Remove the vectors with these ids (an unknown id raises ``KeyError``, nothing removed). Returns the count."""
+        ids = np.unique(as_ids(ids))
+        with self._lock:
+            keep = np.ones(self._rows.size, bool)
+            keep[self._rows_of(ids)] = False
+            live = self._rows.view()
+            mask = torch.from_numpy(keep).to(self.device)
+            self._rows = _Rows({k: t[mask] for k, t in live.tensors.items()}, live.ids[keep], int(keep.sum()))
+            self._sorted = None
+        return len(ids)
+
+    def reconstruct(self, ids: Any) -> np.ndarray:
+        """Decoded vectors ``(len(ids), dim)`` float32 (from the rerank code when present)."""
+        ids = as_ids(ids)
+        with self._lock:
+            rows = torch.from_numpy(self._rows_of(ids)).to(self.device)
+            live = self._rows.view()
+        t = {k: v[rows] for k, v in live.tensors.items()}
+        if self.fine_quantizer is not None:
+            x = self.fine_quantizer.decode(Codes(t["fine_packed"], t["fine_scale"]))
+        else:
+            x = self.quantizer.decode(self._codes(t))
+        return (x if self._center is None else x + self._center).cpu().numpy()
+
+    def _codes(self, t: dict[str, torch.Tensor]) -> Codes:
+        """The quantizer's :class:`Codes` view of stored rows ``t`` (side fields widened to float32)."""
+        n = t["packed"].shape[0]
+        scale = t["scale"].float() if "scale" in t else torch.ones(n, device=t["packed"].device)
+        residual = t["residual"].float() if "residual" in t else None
+        return Codes(t["packed"], scale, t.get("qjl"), residual)
+
+    # ------------------------------------------------------------------ search
+    def search(self, queries: Any, k: int, rerank: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(D, I)`` for ``queries`` ``(nq, dim)``: ``D`` float32 ``(nq, k)`` scores (ip, cosine; best = largest)
+        or squared L2 distances (best = smallest); ``I`` int64 ids, −1 (and ∓inf) where fewer than k exist.
+
+        ``rerank=R`` rescores the best ``R·k`` candidates with the finer code (needs ``rerank_bits``).
+        """
+        k = check_positive_int("k", k)
+        q = as_float_matrix(queries, self.dim, "queries", self.device)
+        if rerank is not None:
+            rerank = check_positive_int("rerank", rerank)
+            if self.fine_quantizer is None:
+                raise ValueError("rerank needs an index built with rerank_bits")
+        if self.metric == "cosine":
+            q = torch.nn.functional.normalize(q, dim=1)
+        live = self._rows.view()  # consistent snapshot (module docstring)
+        center = self._center
+        shifted = q if center is None else q - center
+        constant = torch.zeros(q.shape[0], device=q.device) if center is None else q @ center - center @ center
+        rotated, projected = self.quantizer.rotate_queries(shifted)
+        bias = live.tensors["bias"].float() if "bias" in live.tensors else None
+        block = self.quantizer.code_block(self._codes(live.tensors), bias)
+        values, rows = scan.search(rotated, block, self.quantizer.table(self.device), k * (rerank or 1), projected)
+        if rerank is not None:
+            values, rows = self._rerank(shifted, live, bias, rows, k)
+        return self._finish(q, values + constant[:, None], rows, live.ids)
+
+    def _rerank(self, shifted: torch.Tensor, live: _Rows, bias: torch.Tensor | None, rows: torch.Tensor,
+                k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rescore candidate ``rows`` ``(nq, R·k)`` with the fine code; keep the best ``k`` per query."""
+        fq = self.fine_quantizer
+        rotated, _ = fq.rotate_queries(shifted)
+        flat = rows.clamp_min(0).reshape(-1)
+        levels = scan.dequantize(live.tensors["fine_packed"][flat], fq.table(self.device)).view(*rows.shape, -1)
+        values = torch.einsum("qd,qcd->qc", rotated, levels) * live.tensors["fine_scale"][flat].view(rows.shape)
+        if bias is not None:
+            values = values + bias[flat].view(rows.shape)
+        values = values.masked_fill(rows < 0, float("-inf"))
+        top, pos = torch.topk(values, k, dim=1)
+        return top, torch.gather(rows, 1, pos).masked_fill(top == float("-inf"), -1)
+
+    def _finish(self, q: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        rows_np = rows.cpu().numpy()
+        labels = np.where(rows_np >= 0, ids[rows_np.clip(0)] if len(ids) else -1, -1)
+        if self.metric == "l2":
+            distances = ((q * q).sum(1, keepdim=True) - 2 * scores).clamp_min(0).masked_fill(rows < 0, float("inf"))
+            return distances.cpu().numpy().astype(np.float32), labels
+        return scores.masked_fill(rows < 0, float("-inf")).cpu().numpy().astype(np.float32), labels
+
+    # ------------------------------------------------------------------ persistence
+    def _config(self) -> dict[str, Any]:
+        return {
+            "version": FILE_VERSION, "dim": self.dim, "bits": self.bits, "metric": self.metric, "mode": self.mode,
+            "seed": self.quantizer.seed, "rotation": self.quantizer.rotation.kind, "correction": self.correction,
+            "rerank_bits": None if self.fine_quantizer is None else self.fine_quantizer.bits,
+            "center_pending": self._center_pending, "next_id": self._next_id,
+        }
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the index to ``path`` atomically (format: :mod:`tqvec.storage`); the old file survives a failure."""
+        with self._lock:
+            live = self._rows.view()
+            arrays = {name: t.cpu().numpy() for name, t in live.tensors.items()}
+            arrays["ids"] = live.ids
+            if self._center is not None:
+                arrays["center"] = self._center.cpu().numpy()
+            storage.save_arrays(path, FILE_KIND, self._config(), arrays)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, mmap: bool = False, device: str | torch.device = "cpu") -> "Index":
+        """Open an index written by :meth:`save`; ``mmap=True`` maps the arrays read-only instead of reading them."""
+        meta, arrays = storage.load_arrays(path, FILE_KIND, mmap=mmap)
+        if meta.get("version") != FILE_VERSION:
+            raise storage.StorageError(f"{path}: unsupported index version {meta.get('version')!r}")
+        try:
+            index = cls(meta["dim"], meta["bits"], meta["metric"], meta["mode"], meta["seed"], meta["rotation"],
+                        meta["correction"], meta["rerank_bits"], device)
+            ids = np.asarray(arrays.pop("ids"), dtype=np.int64)
+            center = arrays.pop("center", None)
+            with warnings.catch_warnings():  # read-only mmap arrays: tensors over them are never written
+                warnings.simplefilter("ignore", UserWarning)
+                tensors = {name: torch.as_tensor(arr).to(device) for name, arr in arrays.items()}
+            index._check_loaded(tensors, ids, center)
+        except (KeyError, TypeError, ValueError) as err:
+            raise storage.StorageError(f"{path}: inconsistent index file ({err})") from err
+        index._center = None if center is None else torch.as_tensor(np.array(center, np.float32)).to(device)
+        index._center_pending = bool(meta["center_pending"])
+        index._next_id = int(meta["next_id"])
+        index._rows = _Rows(tensors, ids, len(ids))
+        return index
+
+    def _check_loaded(self, tensors: dict[str, torch.Tensor], ids: np.ndarray, center: np.ndarray | None) -> None:
+        expected = self._empty_tensors()
+        if set(tensors) != set(expected):
+            raise ValueError(f"arrays {sorted(tensors)} do not match the configuration's {sorted(expected)}")
+        for name, t in tensors.items():
+            want = (len(ids), *expected[name].shape[1:])
+            if tuple(t.shape) != want or t.dtype != expected[name].dtype:
+                raise ValueError(f"array {name!r} is {t.dtype} {tuple(t.shape)}, expected {expected[name].dtype} {want}")
+        if len(np.unique(ids)) != len(ids):
+            raise ValueError("duplicate ids")
+        if center is not None and tuple(center.shape) != (self.dim,):
+            raise ValueError(f"center has shape {center.shape}, expected ({self.dim},)")
