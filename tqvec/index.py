@@ -338,7 +338,8 @@ class Index:
         rows_np = rows.cpu().numpy()
         labels = np.where(rows_np >= 0, ids[rows_np.clip(0)] if len(ids) else -1, -1)
         if self.metric == "l2":
-            distances = ((q * q).sum(1, keepdim=True) - 2 * scores).clamp_min(0).masked_fill(rows < 0, float("inf"))
+            # estimates: not clamped at 0, so that D keeps the order the scan ranked by
+            distances = ((q * q).sum(1, keepdim=True) - 2 * scores).masked_fill(rows < 0, float("inf"))
             return distances.cpu().numpy().astype(np.float32), labels
         return scores.masked_fill(rows < 0, float("-inf")).cpu().numpy().astype(np.float32), labels
 
