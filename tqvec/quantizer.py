@@ -33,7 +33,7 @@ from .validation import as_float_matrix, check_bits, check_choice, check_positiv
 
 MODES = ("mse", "prod")
 QJL_SEED_OFFSET = 0x9E3779B1
-ENCODE_BLOCK_ROWS = 65536
+ENCODE_BLOCK_ROWS = 1 << 20  # rows per encode step: bounds temporaries (~0.5 GB at d = 128)
 
 
 @dataclass
@@ -128,6 +128,7 @@ class TurboQuantizer:
                 levels[s, : len(cb.levels)] = torch.as_tensor(cb.levels, dtype=torch.float32)
         self._tables = {torch.device("cpu"): scan.CodeTable(self.layout, levels)}
         self._boundaries = [None if cb is None else torch.as_tensor(cb.boundaries, dtype=torch.float32) for cb in self.codebooks]
+        self._boundary_tables: dict[torch.device, torch.Tensor] = {}
         self._qjl_cpu = gaussian_matrix(self.rotated_dim, self.rotated_dim, self.seed + QJL_SEED_OFFSET) if mode == "prod" else None
         self._qjl: dict[torch.device, torch.Tensor] = {}
 
@@ -184,6 +185,8 @@ class TurboQuantizer:
         return torch.cat(indices, dim=1)
 
     def _encode_block(self, x: torch.Tensor) -> Codes:
+        if x.is_cuda:
+            return self._encode_block_cuda(x)
         norms = torch.linalg.vector_norm(x, dim=1)
         unit = x / torch.where(norms > 0, norms, torch.ones_like(norms))[:, None]
         rotated = self.rotation.forward(unit)
@@ -196,6 +199,22 @@ class TurboQuantizer:
         if self.mode == "mse":
             return Codes(packed, scales)
         residual = rotated - approx
+        signs = pack_signs(residual @ self.qjl_matrix(x.device).T)
+        return Codes(packed, scales, signs, torch.linalg.vector_norm(residual, dim=1))
+
+    def _encode_block_cuda(self, x: torch.Tensor) -> Codes:
+        """CUDA: rotate (GEMM), then one Triton kernel normalizes, quantizes and packs (‖Πx‖ = ‖x‖)."""
+        from .kernels import ops  # noqa: PLC0415 - Triton is optional and CUDA-only
+
+        if x.device not in self._boundary_tables:
+            self._boundary_tables[x.device] = ops.boundary_table(self._boundaries, x.device)
+        rotated = self.rotation.forward(x)
+        packed, norms, alignment = ops.encode(rotated, self.table(x.device), self._boundary_tables[x.device])
+        scales = torch.where(alignment > 0, norms / alignment.clamp_min(1e-30), norms) if self.rescale else norms
+        if self.mode == "mse":
+            return Codes(packed, scales)
+        unit = rotated / torch.where(norms > 0, norms, torch.ones_like(norms))[:, None]
+        residual = unit - scan.dequantize(packed, self.table(x.device))
         signs = pack_signs(residual @ self.qjl_matrix(x.device).T)
         return Codes(packed, scales, signs, torch.linalg.vector_norm(residual, dim=1))
 

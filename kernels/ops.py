@@ -1,0 +1,382 @@
+"""Launchers for the Triton kernels behind :func:`tqvec.scan.scores`, :func:`tqvec.scan.search` and encode.
+
+Same semantics and return types as the CPU reference in :mod:`tqvec.scan`. Tensors must be on CUDA,
+or on the CPU with ``TRITON_INTERPRET=1`` (Triton's interpreter, for tests).
+
+Search runs in two stages and never writes the ``(nq, n)`` score matrix:
+
+1. :func:`~.scan_kernel.tile_kernel` scores every query against every group of ``block_n`` rows on
+   tensor cores (float16 operands, float32 accumulation; each query is first scaled by
+   ``1 / max|q|`` so float16 keeps 11 significant bits) and writes only each query's maximum per
+   group: an ``(nq, n / block_n)`` matrix.
+2. ``torch.topk`` picks the ``k + GROUP_MARGIN`` best groups per query, and
+   :func:`~.scan_kernel.refine_kernel` rescores their rows in exact float32; a last ``torch.topk``
+   over those ``(k + GROUP_MARGIN) · block_n`` candidates gives the answer.
+
+The groups holding the true top-k always have one of the k largest exact group maxima; the margin
+absorbs the float16 rounding of stage 1 (relative error ≲ 2⁻¹⁰ of Σ|q_c·ŷ_c|), so results equal the
+float32 reference except where more than ``GROUP_MARGIN`` groups sit within that rounding of the
+k-th score (near-ties).
+
+On CUDA, the second search with the same key (query shape, k, tiling, and the database tensors'
+addresses, shapes and strides) captures the whole search in a CUDA graph; later calls with that key
+copy the queries in and replay it, which removes ~0.2 ms of launch overhead per call. At most
+``GRAPH_CACHE_SIZE`` graphs are kept (least recently used dropped); :func:`clear_graphs` frees them.
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tqvec.packing import Layout
+from tqvec.scan import CodeBlock, CodeTable
+
+from .encode_kernel import encode_kernel
+from .scan_kernel import refine_kernel, tile_kernel
+
+#: extra groups rescored beyond k per query (absorbs stage-1 float16 rounding)
+GROUP_MARGIN = 8
+#: stage-1 group maxima held at once (floats); larger query batches are split
+MAX_GROUP_SCORES = 1 << 28
+#: replay repeated CUDA searches from captured graphs (see the module docstring)
+USE_CUDA_GRAPHS = True
+GRAPH_CACHE_SIZE = 8
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Stage-1 / scores tiling: queries and rows per tile, channels per ``tl.dot`` step, operand order
+    (rows as the MMA's M side), row tiles per program, 4-bit pair table (float16 stage 1 only).
+
+    ``num_stages`` stays 1: software pipelining of the dependent code/level loads measured up to
+    10× slower on the H200.
+    """
+
+    block_q: int
+    block_n: int
+    block_d: int
+    rows_as_m: bool = False
+    tiles: int = 1
+    pair_lut: bool = False
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _check_device(t: torch.Tensor) -> None:
+    if not (t.is_cuda or interpreting()):
+        raise ValueError("tqvec.kernels needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)")
+
+
+def _segment_args(layout: Layout) -> dict[str, int]:
+    """Constexprs ``S{0,1}_{CH,DIM,BITS,NBYTES,BYTE,ROW}`` of the (at most two) non-empty segments."""
+    segments, channel, byte = [], 0, 0
+    for row, ((dim, bits), nbytes) in enumerate(zip(layout.segments, layout.segment_bytes)):
+        if dim and bits:
+            segments.append((channel, dim, bits, nbytes, byte, row))
+        channel += dim
+        byte += nbytes
+    if len(segments) > 2:
+        raise ValueError(f"kernels support at most two non-empty segments, got {layout.segments}")
+    segments += [(0, 0, 1, 0, 0, 0)] * (2 - len(segments))
+    names = ("CH", "DIM", "BITS", "NBYTES", "BYTE", "ROW")
+    return {f"S{s}_{name}": value for s, seg in enumerate(segments) for name, value in zip(names, seg)}
+
+
+def _pow2_clamp(x: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, triton.next_power_of_2(max(1, x))))
+
+
+def tile_config(nq: int, layout: Layout, exact: bool = False) -> TileConfig:
+    """Default tiling for ``nq`` queries over ``layout`` (small tiles under the interpreter).
+
+    ``exact``: float32 operands (``scores``), whose tiles need four times the shared memory of the
+    float16 search tiles, so fewer channels per step.
+    """
+    widest = max(d for d, _ in layout.segments)
+    if interpreting():
+        return TileConfig(block_q=16, block_n=32, block_d=_pow2_clamp(widest, 16, 32))
+    block_q = _pow2_clamp(nq, 16, 128)
+    if nq <= 16:
+        return TileConfig(16, 128, _pow2_clamp(widest, 16, 64 if exact else 128), rows_as_m=True)
+    if exact:
+        return TileConfig(block_q, 128, _pow2_clamp(widest, 16, 32), num_warps=8)
+    if widest <= 128:
+        return TileConfig(block_q, 128, _pow2_clamp(widest, 16, 128), tiles=4, pair_lut=True, num_warps=8)
+    return TileConfig(block_q, 256, 64, num_warps=8)
+
+
+_DUMMIES: dict[torch.device, torch.Tensor] = {}
+
+
+def _dummy(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """``t``, or a 1-byte stand-in for a pointer the kernel never reads (Triton rejects empty tensors)."""
+    if t is not None and t.numel():
+        return t
+    if like.device not in _DUMMIES:
+        _DUMMIES[like.device] = torch.zeros(1, dtype=torch.uint8, device=like.device)
+    return _DUMMIES[like.device]
+
+
+def _operands(block: CodeBlock, projected: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Row-side kernel arguments, contiguous where the kernel assumes it."""
+    if block.signs is not None and projected is None:
+        raise ValueError("codes carry QJL signs: projected queries (S·q) are required")
+    scale = block.scale.float().contiguous()
+    return {
+        "packed_ptr": _dummy(block.packed, scale),
+        "scale_ptr": scale,
+        "bias_ptr": _dummy(None if block.bias is None else block.bias.float().contiguous(), scale),
+        "signs_ptr": _dummy(block.signs, scale),
+        "sign_scale_ptr": _dummy(None if block.sign_scale is None else block.sign_scale.float().contiguous(), scale),
+    }
+
+
+def _row_strides(block: CodeBlock) -> dict[str, int]:
+    return {"stride_packed": block.packed.stride(0) if block.packed.numel() else 0,
+            "stride_signs": block.signs.stride(0) if block.signs is not None else 0}
+
+
+def _flags(block: CodeBlock, projected: torch.Tensor | None) -> dict[str, int]:
+    return {"P_DIM": projected.shape[1] if block.signs is not None else 0, "HAS_BIAS": block.bias is not None}
+
+
+def _pair_lut(table: CodeTable) -> torch.Tensor:
+    """``(n_segments, 256)`` int32, cached on ``table``: entry ``b`` packs float16 ``level[b & 15]`` (low
+    16 bits) and ``level[b >> 4]`` (high 16 bits), the two 4-bit channels of byte ``b``."""
+    key = "tqvec.kernels.pair_lut"
+    if key not in table._luts:
+        byte = torch.arange(256, device=table.levels.device)
+        bits = table.levels.half().view(torch.int16).to(torch.int32) & 0xFFFF
+        table._luts[key] = (bits[:, byte & 15] | (bits[:, byte >> 4] << 16)).contiguous()
+    return table._luts[key]
+
+
+def _launch_tiles(
+    queries: torch.Tensor, projected: torch.Tensor | None, qfac: torch.Tensor, block: CodeBlock,
+    table: CodeTable, out: torch.Tensor, cfg: TileConfig, group_max: bool,
+) -> object:
+    """Run :func:`tile_kernel` over all (query tile, row tile) pairs, writing ``out``; returns the compiled kernel."""
+    nq, n = queries.shape[0], len(block)
+    n_q_tiles = triton.cdiv(nq, cfg.block_q)
+    grid = (n_q_tiles * triton.cdiv(n, cfg.block_n * cfg.tiles),)
+    p = queries if projected is None else projected
+    segments = [(d, b) for d, b in table.layout.segments if d and b]
+    resident = len(segments) == 1 and segments[0][0] <= cfg.block_d and block.signs is None
+    half = queries.dtype == torch.float16
+    return tile_kernel[grid](
+        queries, p, **_operands(block, projected), levels_ptr=table.levels,
+        lut_ptr=_pair_lut(table) if half and cfg.pair_lut else table.levels, qfac_ptr=qfac, out_ptr=out,
+        nq=nq, n=n, n_q_tiles=n_q_tiles, stride_q=queries.stride(0), stride_p=p.stride(0),
+        **_row_strides(block), stride_out=out.stride(0), **_segment_args(table.layout), **_flags(block, projected),
+        GROUP_MAX=group_max, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, TILES=cfg.tiles,
+        Q_RESIDENT=resident, PAIR_LUT=half and cfg.pair_lut, DOT_DTYPE=tl.float16 if half else tl.float32,
+        PRECISION="tf32" if half else "tf32x3", ROWS_AS_M=cfg.rows_as_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _float_queries(queries: torch.Tensor, projected: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    _check_device(queries)
+    q = queries.float().contiguous()
+    return q, None if projected is None else projected.float().contiguous()
+
+
+def scores(
+    queries: torch.Tensor, block: CodeBlock, table: CodeTable, projected: torch.Tensor | None = None,
+    *, config: TileConfig | None = None,
+) -> torch.Tensor:
+    """All scores ``(nq, n)`` float32 of rotated ``queries`` ``(nq, D)`` against ``block`` (float32 accuracy)."""
+    q, p = _float_queries(queries, projected)
+    out = torch.empty(q.shape[0], len(block), dtype=torch.float32, device=q.device)
+    if out.numel():
+        cfg = config or tile_config(q.shape[0], table.layout, exact=True)
+        _launch_tiles(q, p, q.new_ones(1), block, table, out, cfg, group_max=False)
+    return out
+
+
+def _half_queries(q: torch.Tensor, p: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Queries (and projections) scaled per row by ``qfac = 1 / max|·|`` and cast to float16, and ``qfac``."""
+    peak = torch.linalg.vector_norm(q if p is None else torch.cat([q, p], 1), float("inf"), dim=1)
+    qfac = peak.clamp_min(1e-30).reciprocal_()
+    return (q * qfac[:, None]).half(), None if p is None else (p * qfac[:, None]).half(), qfac
+
+
+def _refine(
+    q: torch.Tensor, p: torch.Tensor | None, groups: torch.Tensor, block: CodeBlock, table: CodeTable, group_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact scores and row numbers ``(nq, n_groups · group_rows)`` of each query's chosen row groups
+    ``groups`` ``(nq, n_groups)`` (``-inf`` / ``-1`` past the last row)."""
+    nq, kg = groups.shape
+    out = torch.empty(nq, kg * group_rows, dtype=torch.float32, device=q.device)
+    ids = torch.empty(nq, kg * group_rows, dtype=torch.int64, device=q.device)
+    pp = q if p is None else p
+    widest = max(d for d, _ in table.layout.segments)
+    refine_kernel[(nq, kg)](
+        q, pp, groups, **_operands(block, p), levels_ptr=table.levels, out_ptr=out, ids_ptr=ids,
+        n=len(block), n_groups_per_query=kg, stride_q=q.stride(0), stride_p=pp.stride(0), **_row_strides(block),
+        **_segment_args(table.layout), **_flags(block, p), BLOCK_N=group_rows,
+        BLOCK_D=_pow2_clamp(widest, 16, 32 if interpreting() else 64), num_warps=4,
+    )
+    return out, ids
+
+
+def search(
+    queries: torch.Tensor, block: CodeBlock, table: CodeTable, k: int, projected: torch.Tensor | None = None,
+    *, config: TileConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` scores per query: ``(values (nq, k) float32, rows (nq, k) int64)``, best first.
+
+    Rows index ``block``; when ``k > n`` the tail is ``-inf`` / ``-1``. See the module docstring.
+    """
+    q, p = _float_queries(queries, projected)
+    nq, n = q.shape[0], len(block)
+    if nq == 0 or n == 0 or k == 0:
+        return _pad(torch.empty(nq, 0, device=q.device), torch.empty(nq, 0, dtype=torch.int64, device=q.device), k)
+    cfg = config or tile_config(nq, table.layout)
+    if q.is_cuda and USE_CUDA_GRAPHS:
+        return _graph_search(q, p, block, table, k, cfg)
+    return _search(q, p, block, table, k, cfg)
+
+
+def _search(
+    q: torch.Tensor, p: torch.Tensor | None, block: CodeBlock, table: CodeTable, k: int, cfg: TileConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two-stage search on float32 contiguous queries (``nq, n, k > 0``)."""
+    nq, n = q.shape[0], len(block)
+    n_tiles = triton.cdiv(n, cfg.block_n)
+    kg = min(n_tiles, k + GROUP_MARGIN)
+    qh, ph, qfac = _half_queries(q, p)
+    chunk = max(1, MAX_GROUP_SCORES // n_tiles)
+    parts = []
+    for q0 in range(0, nq, chunk):
+        q1 = min(nq, q0 + chunk)
+        group_max = torch.empty(q1 - q0, n_tiles, dtype=torch.float32, device=q.device)
+        _launch_tiles(qh[q0:q1], None if ph is None else ph[q0:q1], qfac[q0:q1], block, table, group_max, cfg, True)
+        groups = torch.topk(group_max, kg, dim=1, sorted=False).indices
+        candidates, ids = _refine(q[q0:q1], None if p is None else p[q0:q1], groups, block, table, cfg.block_n)
+        best, pos = torch.topk(candidates, min(k, candidates.shape[1]), dim=1)
+        parts.append((best, ids.gather(1, pos)))
+    values, rows = parts[0] if len(parts) == 1 else (torch.cat([v for v, _ in parts]), torch.cat([r for _, r in parts]))
+    return _pad(values, rows, k)
+
+
+@dataclass
+class _SearchGraph:
+    """A captured search: static query buffers in, static results out."""
+
+    graph: torch.cuda.CUDAGraph
+    queries: torch.Tensor
+    projected: torch.Tensor | None
+    values: torch.Tensor
+    rows: torch.Tensor
+
+
+_GRAPHS: OrderedDict[tuple, _SearchGraph | None] = OrderedDict()
+
+
+def clear_graphs() -> None:
+    """Drop every captured search graph (and the memory its buffers hold)."""
+    _GRAPHS.clear()
+
+
+def _graph_key(q: torch.Tensor, p: torch.Tensor | None, block: CodeBlock, table: CodeTable, k: int, cfg: TileConfig) -> tuple:
+    tensors = (block.packed, block.scale, block.bias, block.signs, block.sign_scale, table.levels)
+    described = tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors)
+    return (q.device, tuple(q.shape), None if p is None else tuple(p.shape), k, cfg, table.layout) + described
+
+
+def _graph_search(
+    q: torch.Tensor, p: torch.Tensor | None, block: CodeBlock, table: CodeTable, k: int, cfg: TileConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_search` run eagerly on a key's first call, captured on its second, replayed after."""
+    key = _graph_key(q, p, block, table, k, cfg)
+    if key not in _GRAPHS:
+        _GRAPHS[key] = None
+        _evict()
+        return _search(q, p, block, table, k, cfg)
+    entry = _GRAPHS[key]
+    if entry is None:
+        entry = _GRAPHS[key] = _capture(q, p, block, table, k, cfg)
+    _GRAPHS.move_to_end(key)
+    entry.queries.copy_(q)
+    if p is not None:
+        entry.projected.copy_(p)
+    entry.graph.replay()
+    return entry.values.clone(), entry.rows.clone()
+
+
+def _evict() -> None:
+    while len(_GRAPHS) > GRAPH_CACHE_SIZE:
+        _GRAPHS.popitem(last=False)
+
+
+def _capture(
+    q: torch.Tensor, p: torch.Tensor | None, block: CodeBlock, table: CodeTable, k: int, cfg: TileConfig,
+) -> _SearchGraph:
+    """Capture :func:`_search` on static copies of the queries (after a warm-up on a side stream)."""
+    static_q, static_p = q.clone(), None if p is None else p.clone()
+    side = torch.cuda.Stream(q.device)
+    side.wait_stream(torch.cuda.current_stream(q.device))
+    with torch.cuda.stream(side):
+        _search(static_q, static_p, block, table, k, cfg)
+    torch.cuda.current_stream(q.device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        values, rows = _search(static_q, static_p, block, table, k, cfg)
+    return _SearchGraph(graph, static_q, static_p, values, rows)
+
+
+def _pad(values: torch.Tensor, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad ``(nq, m ≤ k)`` results to ``k`` columns with ``-inf`` / ``-1``."""
+    missing = k - values.shape[1]
+    if missing == 0:
+        return values, rows
+    return (torch.nn.functional.pad(values, (0, missing), value=float("-inf")),
+            torch.nn.functional.pad(rows, (0, missing), value=-1))
+
+
+def boundary_table(boundaries: Sequence[torch.Tensor | None], device: torch.device | str) -> torch.Tensor:
+    """``(n_segments, 256)`` float32: row ``s`` holds segment ``s``'s ascending decision boundaries (zero-padded)."""
+    table = torch.zeros(len(boundaries), 256, dtype=torch.float32)
+    for s, b in enumerate(boundaries):
+        if b is not None:
+            table[s, : len(b)] = torch.as_tensor(b, dtype=torch.float32)
+    return table.to(device)
+
+
+def encode(rotated: torch.Tensor, table: CodeTable, boundaries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize and pack rotated vectors ``Πx`` ``(n, D)`` (float16/32; Π orthogonal, so ‖Πx‖ = ‖x‖).
+
+    ``boundaries`` is :func:`boundary_table`. Returns ``packed`` ``(n, row_bytes)`` uint8 codes of
+    ``u = Πx / ‖Πx‖``, ``norms`` ``(n,)`` float32 ‖Πx‖ and ``alignment`` ``(n,)`` float32 ⟨ŷ, u⟩.
+    """
+    _check_device(rotated)
+    layout = table.layout
+    if rotated.ndim != 2 or rotated.shape[1] != layout.dim:
+        raise ValueError(f"rotated must be (n, {layout.dim}), got {tuple(rotated.shape)}")
+    x = rotated if rotated.dtype in (torch.float16, torch.float32) else rotated.float()
+    x = x.contiguous()
+    n = x.shape[0]
+    packed = torch.zeros(n, layout.row_bytes, dtype=torch.uint8, device=x.device)
+    norms = torch.empty(n, dtype=torch.float32, device=x.device)
+    alignment = torch.empty(n, dtype=torch.float32, device=x.device)
+    if n == 0:
+        return packed, norms, alignment
+    block_n = 16 if interpreting() else 64
+    encode_kernel[(triton.cdiv(n, block_n),)](
+        x, boundaries, table.levels, _dummy(packed, norms), norms, alignment, n, x.stride(0),
+        max(layout.row_bytes, 1), D=layout.dim, **_segment_args(layout), BLOCK_N=block_n,
+        BLOCK_D=_pow2_clamp(layout.dim, 16, 32 if interpreting() else 128),
+        BLOCK_B=_pow2_clamp(max(layout.segment_bytes), 8, 16 if interpreting() else 64), num_warps=4,
+    )
+    return packed, norms, alignment

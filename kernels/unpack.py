@@ -1,0 +1,127 @@
+"""Triton helpers that read the packed layout of :mod:`tqvec.packing` in registers.
+
+A *segment* is passed as constexprs ``(DIM, BITS, NBYTES)`` plus a runtime byte offset: ``DIM``
+channels of ``BITS`` bits, ``NBYTES = ceil(DIM * BITS / 8)`` bytes per row. Channel ``j``'s code is
+stream bits ``[j*BITS, (j+1)*BITS)``, least significant bit first.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _spread_bytes(raw, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``(BLOCK_N, BLOCK_D * BITS // 8)`` int32 bytes → ``(BLOCK_N, BLOCK_D)`` codes, for BITS in {1, 2, 4, 8}."""
+    if BITS == 8:
+        codes = raw
+    elif BITS == 4:
+        codes = tl.reshape(tl.join(raw & 15, raw >> 4), (BLOCK_N, BLOCK_D))
+    elif BITS == 2:
+        # join adds a new minor axis: join(join(c0, c2), join(c1, c3))[i, a, b] = c[2a + b]
+        codes = tl.join(tl.join(raw & 3, (raw >> 4) & 3), tl.join((raw >> 2) & 3, raw >> 6))
+        codes = tl.reshape(codes, (BLOCK_N, BLOCK_D))
+    else:
+        even = tl.join(tl.join(raw & 1, (raw >> 4) & 1), tl.join((raw >> 2) & 1, (raw >> 6) & 1))
+        odd = tl.join(tl.join((raw >> 1) & 1, (raw >> 5) & 1), tl.join((raw >> 3) & 1, raw >> 7))
+        codes = tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_D))
+    return codes
+
+
+@triton.jit
+def unpack_codes(
+    row_ptrs,
+    row_mask,
+    byte0,
+    d0,
+    DIM: tl.constexpr,
+    BITS: tl.constexpr,
+    NBYTES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Codes ``(BLOCK_N, BLOCK_D)`` int32 of channels ``d0 .. d0 + BLOCK_D`` of one segment.
+
+    ``row_ptrs`` ``(BLOCK_N,)`` point at the first byte of each packed row, ``byte0`` is the
+    segment's first byte in the row. Channels past ``DIM`` and masked rows read as code 0.
+    """
+    if BITS == 1 or BITS == 2 or BITS == 4 or BITS == 8:
+        CHUNK_BYTES: tl.constexpr = BLOCK_D * BITS // 8
+        offs = d0 * BITS // 8 + tl.arange(0, CHUNK_BYTES)
+        mask = row_mask[:, None] & (offs < NBYTES)[None, :]
+        raw = tl.load(row_ptrs[:, None] + (byte0 + offs)[None, :], mask=mask, other=0).to(tl.int32)
+        codes = _spread_bytes(raw, BITS, BLOCK_N, BLOCK_D)
+    else:
+        channel = d0 + tl.arange(0, BLOCK_D)
+        bit = channel * BITS
+        byte = bit // 8
+        mask = row_mask[:, None] & (channel < DIM)[None, :]
+        ptrs = row_ptrs[:, None] + (byte0 + byte)[None, :]
+        low = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+        high = tl.load(ptrs + 1, mask=mask & (byte + 1 < NBYTES)[None, :], other=0).to(tl.int32)
+        codes = ((low | (high << 8)) >> (bit % 8)[None, :]) & ((1 << BITS) - 1)
+    return codes
+
+
+@triton.jit
+def segment_values(
+    row_ptrs,
+    row_mask,
+    byte0,
+    d0,
+    levels_ptr,
+    DIM: tl.constexpr,
+    BITS: tl.constexpr,
+    NBYTES: tl.constexpr,
+    SIGNS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Decoded values ``(BLOCK_N, BLOCK_D)`` float32: codebook levels, or ±1 QJL signs when ``SIGNS``.
+
+    1- and 2-bit levels are selected in registers; wider codes gather from the (L1-resident) table.
+
+    Channels past ``DIM`` are 0, so they add nothing to a dot product.
+    """
+    codes = unpack_codes(row_ptrs, row_mask, byte0, d0, DIM, BITS, NBYTES, BLOCK_N, BLOCK_D)
+    if SIGNS:
+        values = (codes * 2 - 1).to(tl.float32)
+    elif BITS == 1:
+        values = tl.where(codes != 0, tl.load(levels_ptr + 1), tl.load(levels_ptr))
+    elif BITS == 2:
+        low = tl.where((codes & 1) != 0, tl.load(levels_ptr + 1), tl.load(levels_ptr))
+        high = tl.where((codes & 1) != 0, tl.load(levels_ptr + 3), tl.load(levels_ptr + 2))
+        values = tl.where(codes >= 2, high, low)
+    else:
+        values = tl.load(levels_ptr + codes)
+    channel = d0 + tl.arange(0, BLOCK_D)
+    return tl.where((channel < DIM)[None, :], values, 0.0)
+
+
+@triton.jit
+def pair_lut_values(
+    row_ptrs,
+    row_mask,
+    byte0,
+    d0,
+    lut_ptr,
+    DIM: tl.constexpr,
+    NBYTES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Float16 levels ``(BLOCK_N, BLOCK_D)`` of a 4-bit segment, one table load per byte.
+
+    ``lut_ptr`` holds 256 int32: entry ``b`` packs float16 ``level[b & 15]`` (low half) and
+    ``level[b >> 4]`` (high half), the two channels stored in byte ``b``.
+    """
+    CHUNK_BYTES: tl.constexpr = BLOCK_D // 2
+    offs = d0 // 2 + tl.arange(0, CHUNK_BYTES)
+    mask = row_mask[:, None] & (offs < NBYTES)[None, :]
+    raw = tl.load(row_ptrs[:, None] + (byte0 + offs)[None, :], mask=mask, other=0).to(tl.int32)
+    pair = tl.load(lut_ptr + raw)
+    low = (pair & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    high = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    values = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_D))
+    channel = d0 + tl.arange(0, BLOCK_D)
+    return tl.where((channel < DIM)[None, :], values, 0.0)

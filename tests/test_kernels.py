@@ -1,0 +1,180 @@
+"""Triton kernels (tqvec.kernels.ops) against the torch reference of tqvec.scan and the CPU encoder.
+
+Runs on CUDA when present, else on the CPU through Triton's interpreter (``TRITON_INTERPRET=1``, set
+here when no GPU is visible and the kernels are not imported yet). Shapes are small and ragged: row
+counts are not multiples of the interpreter's 32-row tiles and channel counts not multiples of its
+32-channel steps. Tolerances: float32 scores to 1e-4 relative (the kernels accumulate in float32, so
+the observed error is ~1e-7); top-k rows must equal the reference except between tied scores.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tqvec import TurboQuantizer, scan  # noqa: E402
+from tqvec.kernels import ops  # noqa: E402
+from tqvec.packing import unpack  # noqa: E402
+
+pytestmark = [
+    pytest.mark.usefixtures("single_torch_thread"),
+    pytest.mark.skipif(not (torch.cuda.is_available() or ops.interpreting()),
+                       reason="needs a CUDA GPU or TRITON_INTERPRET=1"),
+]
+
+DEVICE = "cpu" if ops.interpreting() else "cuda"
+RTOL = 1e-4
+# (bits, mode, dim): every width 1–8, fractional rates, prod mode incl. its 0-bit segment at 1 bit
+LAYOUTS = [(1, "mse", 40), (2, "mse", 64), (3, "mse", 40), (4, "mse", 40), (5, "mse", 24), (6, "mse", 40),
+           (7, "mse", 24), (8, "mse", 40), (2.5, "mse", 40), (3.5, "mse", 64), (1, "prod", 40),
+           (2, "prod", 32), (3.5, "prod", 40), (5, "prod", 24)]
+
+
+def make_case(bits: float, mode: str, dim: int, n: int, nq: int, bias: bool, seed: int = 0):
+    """Quantizer, CPU and kernel-device code blocks, rotated queries and projections (CPU)."""
+    gen = torch.Generator().manual_seed(seed)
+    tq = TurboQuantizer(dim, bits, mode=mode, seed=seed)
+    codes = tq.encode(torch.randn(n, dim, generator=gen) * 3)
+    b = torch.randn(n, generator=gen) if bias else None
+    rotated, projected = tq.rotate_queries(torch.randn(nq, dim, generator=gen))
+    cpu_block = tq.code_block(codes, b)
+    dev_block = tq.code_block(codes.to(DEVICE), None if b is None else b.to(DEVICE))
+    return tq, cpu_block, dev_block, rotated, projected
+
+
+def dev(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.to(DEVICE)
+
+
+def assert_scores_close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    assert got.shape == ref.shape and got.dtype == torch.float32
+    scale = ref.abs().max().clamp_min(1e-30)
+    assert ((got.cpu() - ref).abs().max() / scale).item() < RTOL
+
+
+def assert_topk_equal(
+    got: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, torch.Tensor], all_scores: torch.Tensor,
+) -> None:
+    """Values equal to RTOL; rows equal, or tied with the reference row's score."""
+    gv, gr = (t.cpu() for t in got)
+    rv, rr = ref
+    assert gv.shape == rv.shape and gr.dtype == torch.int64
+    finite = torch.isfinite(rv)
+    assert torch.equal(torch.isfinite(gv), finite)
+    assert torch.equal(gr[~finite], torch.full_like(gr[~finite], -1))
+    scale = rv[finite].abs().max().clamp_min(1e-30)
+    assert ((gv[finite] - rv[finite]).abs().max() / scale).item() < RTOL
+    rows = gr.clamp_min(0)
+    picked = all_scores.gather(1, rows)
+    same = (gr == rr) | ((picked - all_scores.gather(1, rr.clamp_min(0))).abs() <= RTOL * scale)
+    assert bool(same[finite].all())
+
+
+@pytest.mark.parametrize("bits,mode,dim", LAYOUTS)
+def test_scores_and_search_match_reference(bits: float, mode: str, dim: int) -> None:
+    """Every layout the quantizer produces; 75 rows (ragged last tile), bias on odd widths."""
+    bias = int(bits * 2) % 2 == 1 or mode == "prod"
+    tq, cpu_block, dev_block, rotated, projected = make_case(bits, mode, dim, n=75, nq=5, bias=bias)
+    table = tq.table("cpu")
+    ref = scan.scores(rotated, cpu_block, table, projected)
+    assert_scores_close(ops.scores(dev(rotated), dev_block, tq.table(DEVICE), dev(projected)), ref)
+    got = ops.search(dev(rotated), dev_block, tq.table(DEVICE), 7, dev(projected))
+    assert_topk_equal(got, scan.search(rotated, cpu_block, table, 7, projected), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_query_dtypes(dtype: torch.dtype) -> None:
+    """Low-precision queries are scored as their float32 values, like the reference."""
+    tq, cpu_block, dev_block, rotated, _ = make_case(4, "mse", 40, n=50, nq=3, bias=True)
+    q = rotated.to(dtype)
+    ref = scan.scores(q, cpu_block, tq.table("cpu"))
+    assert_scores_close(ops.scores(dev(q), dev_block, tq.table(DEVICE)), ref)
+    got = ops.search(dev(q), dev_block, tq.table(DEVICE), 5)
+    assert_topk_equal(got, scan.search(q, cpu_block, tq.table("cpu"), 5), ref)
+
+
+@pytest.mark.parametrize("n", [0, 5, 33])
+def test_k_larger_than_n_pads(n: int) -> None:
+    tq, cpu_block, dev_block, rotated, projected = make_case(3, "prod", 24, n=n, nq=2, bias=False)
+    values, rows = ops.search(dev(rotated), dev_block, tq.table(DEVICE), 40, dev(projected))
+    assert values.shape == rows.shape == (2, 40)
+    assert bool(torch.isinf(values[:, n:]).all()) and bool((rows[:, n:] == -1).all())
+    if n:
+        ref = scan.scores(rotated, cpu_block, tq.table("cpu"), projected)
+        assert_topk_equal((values, rows), scan.search(rotated, cpu_block, tq.table("cpu"), 40, projected), ref)
+
+
+CONFIGS = [ops.TileConfig(16, 32, 64, rows_as_m=True, tiles=3, pair_lut=True),
+           ops.TileConfig(32, 16, 64, rows_as_m=False, tiles=2, pair_lut=True),
+           ops.TileConfig(16, 32, 16, rows_as_m=False, tiles=4)]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["rows-as-m", "queries-as-m", "many-steps"])
+@pytest.mark.parametrize("bits,mode,dim", [(4, "mse", 40), (3.5, "prod", 32)])
+def test_tilings(config: ops.TileConfig, bits: float, mode: str, dim: int) -> None:
+    """Resident query tiles, 4-bit pair table, several row tiles per program, both operand orders."""
+    tq, cpu_block, dev_block, rotated, projected = make_case(bits, mode, dim, n=101, nq=20, bias=True)
+    ref = scan.scores(rotated, cpu_block, tq.table("cpu"), projected)
+    assert_scores_close(ops.scores(dev(rotated), dev_block, tq.table(DEVICE), dev(projected), config=config), ref)
+    got = ops.search(dev(rotated), dev_block, tq.table(DEVICE), 6, dev(projected), config=config)
+    assert_topk_equal(got, scan.search(rotated, cpu_block, tq.table("cpu"), 6, projected), ref)
+    # stage 1 alone: float16 group maxima of the scaled queries, within float16 rounding
+    qh, ph, qfac = ops._half_queries(dev(rotated), dev(projected))
+    n_tiles = -(-len(cpu_block) // config.block_n)
+    group_max = torch.full((20, n_tiles), float("nan"), device=DEVICE)
+    ops._launch_tiles(qh, ph, qfac, dev_block, tq.table(DEVICE), group_max, config, True)
+    padded = torch.nn.functional.pad(ref * qfac.cpu()[:, None], (0, n_tiles * config.block_n - ref.shape[1]),
+                                     value=float("-inf"))
+    expected = padded.view(20, n_tiles, config.block_n).amax(2)
+    assert ((group_max.cpu() - expected).abs().max() / expected.abs().max()).item() < 5e-3
+
+
+def test_search_in_query_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Query batches split when the group maxima would exceed MAX_GROUP_SCORES."""
+    monkeypatch.setattr(ops, "MAX_GROUP_SCORES", 6)
+    tq, cpu_block, dev_block, rotated, _ = make_case(2.5, "mse", 40, n=70, nq=7, bias=False)
+    ref = scan.scores(rotated, cpu_block, tq.table("cpu"))
+    got = ops.search(dev(rotated), dev_block, tq.table(DEVICE), 4)
+    assert_topk_equal(got, scan.search(rotated, cpu_block, tq.table("cpu"), 4), ref)
+
+
+def test_signs_need_projected_queries() -> None:
+    tq, _, dev_block, rotated, _ = make_case(2, "prod", 32, n=10, nq=1, bias=False)
+    with pytest.raises(ValueError, match="projected"):
+        ops.scores(dev(rotated), dev_block, tq.table(DEVICE))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8, 2.5, 3.5])
+def test_encode_matches_quantizer(bits: float) -> None:
+    """Packed codes equal the CPU encoder's (a code may differ only at a decision boundary); norms and
+    the rescale denominator ⟨ŷ, u⟩ match."""
+    tq = TurboQuantizer(40, bits, seed=1, rescale=True)
+    x = torch.randn(53, 40, generator=torch.Generator().manual_seed(2)) * 2
+    x[3] = 0  # a zero vector encodes as u = 0
+    ref = tq.encode(x)
+    packed, norms, alignment = ops.encode(dev(tq.rotation.forward(x)), tq.table(DEVICE),
+                                          ops.boundary_table(tq._boundaries, DEVICE))
+    assert packed.dtype == torch.uint8 and packed.shape == ref.packed.shape
+    differ = (unpack(packed.cpu(), tq.layout) != unpack(ref.packed, tq.layout)).float().mean().item()
+    assert differ <= 1e-3
+    torch.testing.assert_close(norms.cpu(), torch.linalg.vector_norm(x, dim=1), rtol=1e-5, atol=1e-6)
+    scales = torch.where(alignment > 0, norms / alignment.clamp_min(1e-30), norms).cpu()
+    torch.testing.assert_close(scales, ref.scales, rtol=1e-4, atol=1e-6)
+
+
+def test_encode_prod_layout_and_float16() -> None:
+    """prod mode packs its bits − 1 mse codes (none at 1 bit); float16 input is accepted."""
+    for bits in (1, 3):
+        tq = TurboQuantizer(32, bits, mode="prod", seed=0)
+        x = torch.randn(20, 32, generator=torch.Generator().manual_seed(bits))
+        ref = tq.encode(x)
+        packed, _, _ = ops.encode(dev(tq.rotation.forward(x).half()), tq.table(DEVICE),
+                                  ops.boundary_table(tq._boundaries, DEVICE))
+        assert packed.shape == ref.packed.shape
+        differ = (unpack(packed.cpu(), tq.layout) != unpack(ref.packed, tq.layout)).float().mean().item()
+        assert differ <= 0.02  # float16 input moves values near boundaries

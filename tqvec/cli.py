@@ -1,0 +1,45 @@
+"""The ``tqvec`` command: ``tqvec datasets …`` and ``tqvec bench …``.
+
+Each subcommand lives beside its code (``tqvec.datasets.cli``, ``tqvec.bench.*``) and is imported only
+when run, so optional dependencies (faiss, h5py, transformers, ray, triton) load only where needed.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+#: subcommand → (module, function taking argv)
+BENCHMARKS = {
+    "ann": ("tqvec.bench.ann", "main", "recall / bytes / speed against FAISS on an ann-benchmarks dataset"),
+    "distortion": ("tqvec.bench.core", "distortion_main", "measured vs theoretical MSE and inner-product error"),
+    "encode": ("tqvec.bench.core", "encode_main", "CPU encode throughput beside FAISS"),
+    "sweep": ("tqvec.bench.sweep", "main", "ann-benchmarks-style sweep with plots (IVF, FAISS, others)"),
+    "kv": ("tqvec.bench.kv", "main", "KV-cache quality on SmolLM2 (perplexity, KL, passkey)"),
+    "gpu-scan": ("tqvec.bench.gpu_scan", "main", "GPU fused search and encode throughput (needs CUDA)"),
+    "sharded": ("tqvec.bench.sharded", "main", "Ray sharded index build/query throughput"),
+}
+
+USAGE = "usage: tqvec {datasets,bench} ...\n\n  tqvec datasets {list,build NAME}\n  tqvec bench NAME [options]\n\nbenchmarks:\n" + \
+    "\n".join(f"  {name:<11} {help_}" for name, (_, _, help_) in BENCHMARKS.items())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``tqvec`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "datasets":
+        from tqvec.datasets.cli import main as datasets_main  # noqa: PLC0415
+
+        return int(datasets_main(rest) or 0)
+    if command == "bench" and rest and rest[0] in BENCHMARKS:
+        module, function, _ = BENCHMARKS[rest[0]]
+        return int(getattr(importlib.import_module(module), function)(rest[1:]) or 0)
+    print(USAGE, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
