@@ -113,9 +113,9 @@ def _load_or_solve(dim: int, bits: int) -> tuple[np.ndarray, float]:
 @functools.lru_cache(maxsize=None)
 def lloyd_max_codebook(dim: int, bits: int) -> Codebook:
     """The Lloyd–Max codebook for coordinates of a random unit vector in R^dim at ``bits`` bits (1..8)."""
-    if not isinstance(dim, (int, np.integer)) or dim < 3:
+    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < 3:
         raise ValueError(f"dim must be an integer >= 3, got {dim!r}")
-    if not isinstance(bits, (int, np.integer)) or not 1 <= bits <= 8:
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= bits <= 8:
         raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
     levels, mse = _load_or_solve(int(dim), int(bits))
     return Codebook(int(dim), int(bits), levels, 0.5 * (levels[1:] + levels[:-1]), mse)

@@ -320,6 +320,28 @@ class Index:
             values, rows = self._rerank(shifted, live, bias, rows, k)
         return self._finish(q, values + constant[:, None], rows, live.ids)
 
+    def score(self, queries: Any, ids: Any) -> np.ndarray:
+        """The estimates ``search`` ranks by, for given ``ids``: ``(nq, len(ids))`` float32 scores
+        (ip, cosine) or squared L2 distances — FAISS's ``compute_distance_subset`` for all queries."""
+        q = as_float_matrix(queries, self.dim, "queries", self.device)
+        ids = as_ids(ids)
+        if self.metric == "cosine":
+            q = torch.nn.functional.normalize(q, dim=1)
+        with self._lock:
+            rows = torch.from_numpy(self._rows_of(ids)).to(self.device)
+            live = self._rows.view()
+        t = {k: v[rows] for k, v in live.tensors.items()}
+        center = self._center
+        shifted = q if center is None else q - center
+        rotated, projected = self.quantizer.rotate_queries(shifted)
+        bias = t["bias"].float() if "bias" in t else None
+        values = scan.scores(rotated, self.quantizer.code_block(self._codes(t), bias), self.quantizer.table(self.device), projected)
+        if center is not None:
+            values = values + (q @ center - center @ center)[:, None]
+        if self.metric == "l2":
+            values = (q * q).sum(1, keepdim=True) - 2 * values
+        return values.cpu().numpy().astype(np.float32)
+
     def _rerank(self, shifted: torch.Tensor, live: _Rows, bias: torch.Tensor | None, rows: torch.Tensor,
                 k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rescore candidate ``rows`` ``(nq, R·k)`` with the fine code; keep the best ``k`` per query."""

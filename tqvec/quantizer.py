@@ -147,7 +147,10 @@ class TurboQuantizer:
 
     @property
     def expected_unit_mse(self) -> float:
-        """Theoretical E‖u − û‖² of the ``mse`` part for a unit vector (sum of per-channel codebook MSE)."""
+        """Theoretical E‖Πu − ŷ‖² of the ``mse`` part for a unit vector u (sum of per-channel codebook MSE).
+
+        This is E‖u − û‖² for ``haar``; for ``hadamard`` with dim < D the decoded error drops the padding
+        directions and comes out near ``dim / D`` of it."""
         return sum(d * (cb.mse if cb else 1.0 / self.rotated_dim) for (d, _), cb in zip(self.layout.segments, self.codebooks))
 
     # ------------------------------------------------------------------ device caches

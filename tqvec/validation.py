@@ -32,7 +32,7 @@ def as_float_matrix(x: Any, dim: int, name: str = "x", device: torch.device | st
         raise ValueError(f"{name} has dimension {x.shape[1]}, expected {dim}")
     if device is not None:
         x = x.to(device)
-    x = x.to(torch.float32)
+    x = x.to(torch.float32).contiguous()  # one memory layout, so results never depend on strides
     if x.numel() and not bool(torch.isfinite(x).all()):
         raise ValueError(f"{name} contains NaN or Inf")
     return x

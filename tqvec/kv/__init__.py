@@ -1,0 +1,17 @@
+"""KV-cache compression for Hugging Face transformers with TurboQuant codes.
+
+Three lines turn it on::
+
+    cache = TurboQuantCache(model.config, key_bits=3.5, value_bits=3.5)
+    model.set_attn_implementation("tqvec")
+    model.generate(**inputs, past_key_values=cache)   # or cache=cache in newer transformers
+
+Importing this package registers the ``"tqvec"`` attention and mask functions.
+"""
+from .attention import NAME, register
+from .cache import CompressedKV, TurboQuantCache, TurboQuantLayer
+from .codec import HeadCodec
+
+register()
+
+__all__ = ["NAME", "CompressedKV", "HeadCodec", "TurboQuantCache", "TurboQuantLayer", "register"]

@@ -1,0 +1,153 @@
+"""Bad input raises ValueError naming the problem; zero vectors and empty batches work."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from tqvec import TurboQuantizer
+from tqvec.validation import as_float_matrix, as_ids, check_bits, check_choice, check_positive_int
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+DIM = 24  # not a power of two: hadamard pads to 32
+MODES = [("mse", "haar"), ("mse", "hadamard"), ("prod", "haar"), ("prod", "hadamard")]
+
+
+@pytest.fixture(scope="module", params=MODES, ids=["-".join(m) for m in MODES])
+def quantizer(request: pytest.FixtureRequest) -> TurboQuantizer:
+    mode, rotation = request.param
+    return TurboQuantizer(DIM, 3, mode, rotation, seed=1)
+
+
+def good(n: int = 4, dim: int = DIM) -> np.ndarray:
+    return np.random.default_rng(0).standard_normal((n, dim)).astype(np.float32)
+
+
+# ---------------------------------------------------------------- constructor
+@pytest.mark.parametrize("kwargs, message", [
+    ({"bits": 0}, "bits"), ({"bits": 0.5}, "bits"), ({"bits": 8.5}, "bits"), ({"bits": 9}, "bits"),
+    ({"bits": -1}, "bits"), ({"bits": float("nan")}, "bits"), ({"bits": "4"}, "bits"), ({"bits": True}, "bits"),
+    ({"mode": "fast"}, "mode"), ({"mode": "MSE"}, "mode"), ({"rotation": "dct"}, "rotation"),
+    ({"dim": 0}, "dim"), ({"dim": 1}, "dim"), ({"dim": 2.0}, "dim"), ({"dim": -5}, "dim"),
+    ({"mode": "prod", "rescale": True}, "rescale"),
+])
+def test_constructor_rejects(kwargs: dict, message: str) -> None:
+    args = {"dim": DIM, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        TurboQuantizer(**args)
+
+
+@pytest.mark.parametrize("bits", [1, 1.5, 2.5, 3.5, 8, np.float32(2.5), np.int64(4)])
+def test_constructor_accepts_bit_range(bits: float) -> None:
+    assert TurboQuantizer(DIM, bits).bits == float(bits)
+
+
+# ---------------------------------------------------------------- encode / inner_product input
+BAD_INPUTS = [
+    (good(dim=DIM + 1), "has dimension 25, expected 24"),
+    (good()[0], "2-D"),
+    (good()[None], "2-D"),
+    (np.array(1.0, dtype=np.float32), "2-D"),
+    (np.float32(1.0), "numpy array or torch tensor"),
+    (np.where(np.eye(4, DIM) > 0, np.nan, good()).astype(np.float32), "NaN or Inf"),
+    (np.where(np.eye(4, DIM) > 0, np.inf, good()).astype(np.float32), "NaN or Inf"),
+    (np.where(np.eye(4, DIM) > 0, -np.inf, good()).astype(np.float64), "NaN or Inf"),
+    (np.ones((4, DIM), dtype=np.int64), "floats"),
+    (np.ones((4, DIM), dtype=bool), "floats"),
+    (np.ones((4, DIM), dtype=np.complex64), "floats"),
+    (torch.ones(4, DIM, dtype=torch.int32), "floats"),
+    (torch.full((4, DIM), float("nan")), "NaN or Inf"),
+    (good().tolist(), "numpy array or torch tensor"),
+]
+
+
+@pytest.mark.parametrize("bad, message", BAD_INPUTS)
+def test_encode_rejects(quantizer: TurboQuantizer, bad: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        quantizer.encode(bad)
+
+
+@pytest.mark.parametrize("bad, message", BAD_INPUTS)
+def test_inner_product_rejects_bad_queries(quantizer: TurboQuantizer, bad: object, message: str) -> None:
+    codes = quantizer.encode(good())
+    with pytest.raises(ValueError, match=f"^queries .*{re.escape(message)}"):
+        quantizer.inner_product(bad, codes)
+
+
+def test_error_names_the_argument() -> None:
+    with pytest.raises(ValueError, match=r"^x has dimension 5, expected 24$"):
+        TurboQuantizer(DIM).encode(np.zeros((1, 5), np.float32))
+    with pytest.raises(ValueError, match=r"^queries contains NaN or Inf$"):
+        q = TurboQuantizer(DIM)
+        q.inner_product(np.full((1, DIM), np.nan, np.float32), q.encode(good()))
+
+
+# ---------------------------------------------------------------- zero vectors and empty batches
+def test_zero_vectors(quantizer: TurboQuantizer) -> None:
+    """Zero rows encode without NaN, decode to exactly 0 and score exactly 0; other rows are unaffected."""
+    x = good(6)
+    x[[1, 4]] = 0.0
+    codes = quantizer.encode(x)
+    for t in codes._tensors():
+        if t.is_floating_point():
+            assert torch.isfinite(t).all()
+    decoded = quantizer.decode(codes)
+    assert torch.equal(decoded[[1, 4]], torch.zeros(2, DIM))
+    scores = quantizer.inner_product(good(3), codes)
+    assert torch.equal(scores[:, [1, 4]], torch.zeros(3, 2))
+    alone = quantizer.encode(x[[0, 2, 3, 5]])
+    torch.testing.assert_close(quantizer.decode(alone), decoded[[0, 2, 3, 5]])
+    assert torch.equal(quantizer.inner_product(np.zeros((2, DIM), np.float32), codes), torch.zeros(2, 6))
+
+
+def test_zero_vector_with_rescale() -> None:
+    q = TurboQuantizer(DIM, 2, rescale=True)
+    assert torch.equal(q.decode(q.encode(np.zeros((2, DIM), np.float32))), torch.zeros(2, DIM))
+
+
+def test_empty_batches(quantizer: TurboQuantizer) -> None:
+    empty = quantizer.encode(np.zeros((0, DIM), np.float32))
+    assert len(empty) == 0 and empty.nbytes == 0
+    assert empty.packed.shape == (0, quantizer.layout.row_bytes)
+    assert tuple(quantizer.decode(empty).shape) == (0, DIM)
+    assert tuple(quantizer.inner_product(good(3), empty).shape) == (3, 0)
+    codes = quantizer.encode(good(5))
+    scores = quantizer.inner_product(torch.zeros(0, DIM), codes)
+    assert tuple(scores.shape) == (0, 5) and scores.dtype == torch.float32
+    assert len(quantizer.encode(torch.zeros(0, DIM, dtype=torch.float64))) == 0
+
+
+# ---------------------------------------------------------------- helpers directly
+def test_as_float_matrix() -> None:
+    out = as_float_matrix(np.ones((2, 3), np.float16), 3)
+    assert out.dtype == torch.float32 and tuple(out.shape) == (2, 3)
+    assert as_float_matrix(torch.ones(2, 3, dtype=torch.bfloat16), 3).dtype == torch.float32
+    with pytest.raises(ValueError, match="vecs has dimension 4, expected 3"):
+        as_float_matrix(np.ones((2, 4)), 3, "vecs")
+
+
+def test_check_helpers() -> None:
+    assert check_bits(8) == 8.0 and check_bits(2.5) == 2.5
+    with pytest.raises(ValueError, match="bits"):
+        check_bits(None)
+    assert check_choice("mode", "a", ["a", "b"]) == "a"
+    with pytest.raises(ValueError, match="unknown mode 'c'"):
+        check_choice("mode", "c", ["a", "b"])
+    assert check_positive_int("k", np.int32(3)) == 3
+    for bad in (0, -1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="k must be a positive integer"):
+            check_positive_int("k", bad)
+
+
+def test_as_ids() -> None:
+    np.testing.assert_array_equal(as_ids(torch.tensor([3, 1])), [3, 1])
+    assert as_ids(7).tolist() == [7] and as_ids([]).shape == (0,)
+    with pytest.raises(ValueError, match="1-D"):
+        as_ids(np.zeros((2, 2), np.int64))
+    with pytest.raises(ValueError, match="integers"):
+        as_ids([1.5])
+    with pytest.raises(ValueError, match="expected 3"):
+        as_ids([1, 2], n=3)

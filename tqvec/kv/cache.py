@@ -1,0 +1,206 @@
+"""``TurboQuantCache``: a transformers ``Cache`` whose full-attention layers keep K/V as TurboQuant codes.
+
+Per full-attention layer (:class:`TurboQuantLayer`):
+
+* the newest ``window`` tokens stay in full precision (``keys`` / ``values``, ``(b, h, ≤window, d)``);
+* older tokens are centered (per (batch row, KV head) means, computed once, from all tokens present
+  when the layer first compresses), channel-permuted (outliers first, see :mod:`tqvec.kv.codec`),
+  encoded into a :class:`~tqvec.kv.store.CodeStore`, and their full-precision copies are dropped
+  (the window is re-materialized with ``clone`` so no slice keeps the old storage alive).
+
+``update`` returns a :class:`CompressedKV` handle (as both "keys" and "values") that the ``tqvec``
+attention (:mod:`tqvec.kv.attention`) reads: the codes of the tokens compressed *before* this call
+and the full-precision tokens of this call plus the window. So a prefill attends exactly, and every
+later call reads the compressed cache. The handle's full-precision tensors live only for the
+duration of the layer's forward.
+
+Sliding-window (and other non-full) layers use transformers' own dynamic layers, uncompressed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, get_layer_types_and_kwargs
+
+from .codec import HeadCodec
+from .store import CodeStore
+
+
+def _permute(x: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+    """Gather channels of ``x`` ``(b, h, t, d)`` by ``perm`` ``(h, d)`` (identity when ``perm`` is None)."""
+    if perm is None:
+        return x
+    b, h, t, d = x.shape
+    return torch.gather(x, 3, perm[None, :, None, :].expand(b, h, t, d))
+
+
+@dataclass
+class CompressedKV:
+    """What one layer's attention reads in one forward call.
+
+    * ``layer``: the owning :class:`TurboQuantLayer` (codecs, stores, means, permutations);
+    * ``n_codes``: tokens ``[0, n_codes)`` are read from the codes;
+    * ``keys`` / ``values``: ``(b, h, t, d)`` full-precision tokens ``[n_codes, n_codes + t)``.
+    """
+
+    layer: "TurboQuantLayer"
+    n_codes: int
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def kv_length(self) -> int:
+        return self.n_codes + self.keys.shape[2]
+
+
+class TurboQuantLayer(CacheLayerMixin):
+    """One full-attention layer: TurboQuant codes for old tokens, full precision for the newest ``window``."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, key_codec: HeadCodec, value_codec: HeadCodec, window: int = 128) -> None:
+        super().__init__()
+        if window < 0:
+            raise ValueError(f"window must be >= 0, got {window}")
+        self.key_codec, self.value_codec, self.window = key_codec, value_codec, int(window)
+        self._clear()
+
+    def _clear(self) -> None:
+        self.keys = self.values = None
+        self.key_store, self.value_store = CodeStore(self.key_codec), CodeStore(self.value_codec)
+        self.key_mean: torch.Tensor | None = None  # (b, h, d) float32
+        self.value_mean: torch.Tensor | None = None
+        self.key_perm: torch.Tensor | None = None  # (h, d) int64, outlier channels first
+        self.value_perm: torch.Tensor | None = None
+        self.is_initialized = False
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        b, h, _, d = key_states.shape
+        self.keys = key_states.new_zeros((b, h, 0, d))
+        self.values = value_states.new_zeros((b, h, 0, value_states.shape[-1]))
+        self.is_initialized = True
+
+    # ------------------------------------------------------------------ update
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[CompressedKV, CompressedKV]:
+        """Append ``(b, h, t, d)`` keys/values; compress what leaves the window; return the read handle twice."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        keys = torch.cat([self.keys, key_states], dim=2)
+        values = torch.cat([self.values, value_states], dim=2)
+        handle = CompressedKV(self, self.key_store.length, keys, values)
+        overflow = keys.shape[2] - self.window
+        if overflow > 0:
+            if self.key_mean is None:
+                self._init_statistics(keys, values)
+            self.key_store.append(_permute(keys[:, :, :overflow].float() - self.key_mean[:, :, None], self.key_perm))
+            self.value_store.append(_permute(values[:, :, :overflow].float() - self.value_mean[:, :, None], self.value_perm))
+            self.keys, self.values = keys[:, :, overflow:].clone(), values[:, :, overflow:].clone()
+        else:
+            self.keys, self.values = keys, values
+        return handle, handle
+
+    def _init_statistics(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Centering means ``(b, h, d)`` and outlier permutations ``(h, d)`` from all tokens present now."""
+        self.key_mean = keys.float().mean(dim=2)
+        self.value_mean = values.float().mean(dim=2)
+        if self.key_codec.uses_outliers:
+            self.key_perm = self.key_codec.choose_permutation(keys.float() - self.key_mean[:, :, None])
+        if self.value_codec.uses_outliers:
+            self.value_perm = self.value_codec.choose_permutation(values.float() - self.value_mean[:, :, None])
+
+    # ------------------------------------------------------------------ sizes
+    def get_seq_length(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return self.key_store.length + self.keys.shape[2]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def nbytes(self) -> int:
+        """Exact bytes held: code stores (allocated capacity), full-precision window, means, permutations."""
+        tensors = [self.keys, self.values, self.key_mean, self.value_mean, self.key_perm, self.value_perm]
+        own = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return own + self.key_store.nbytes() + self.value_store.nbytes()
+
+    # ------------------------------------------------------------------ edits
+    def reset(self) -> None:
+        self._clear()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count)."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove")
+        remove = -tokens_to_remove
+        if remove == 0 or not self.is_initialized:
+            return
+        from_window = min(remove, self.keys.shape[2])
+        keep = self.keys.shape[2] - from_window
+        self.keys, self.values = self.keys[:, :, :keep].clone(), self.values[:, :, :keep].clone()
+        self.key_store.truncate(self.key_store.length - (remove - from_window))
+        self.value_store.truncate(self.value_store.length - (remove - from_window))
+
+    def _index_batch(self, index: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        index = index.to(self.keys.device)
+        self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
+        if self.key_mean is not None:
+            self.key_mean, self.value_mean = self.key_mean.index_select(0, index), self.value_mean.index_select(0, index)
+        self.key_store.index_batch(index)
+        self.value_store.index_batch(index)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._index_batch(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._index_batch(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._index_batch(torch.arange(self.keys.shape[0], device=self.keys.device).repeat_interleave(repeats))
+
+    def offload(self) -> None:
+        raise NotImplementedError("TurboQuantLayer does not support offloading")
+
+    def prefetch(self) -> None:
+        raise NotImplementedError("TurboQuantLayer does not support offloading")
+
+
+class TurboQuantCache(Cache):
+    """TurboQuant KV cache for a transformers model (full-attention layers compressed, others dynamic).
+
+    ``key_bits`` / ``value_bits``: bits per channel (1–8, fractional allowed, see
+    :mod:`tqvec.kv.codec`); ``key_mode``: ``"mse"`` or ``"prod"`` (values always ``mse``);
+    ``window``: newest tokens kept in full precision; ``key_rescale`` / ``value_rescale``:
+    TurboQuantizer's ``rescale`` (``mse`` only); ``split``: ``"outlier"`` or ``"rotated"``.
+    """
+
+    def __init__(self, config, key_bits: float = 4, value_bits: float = 4, key_mode: str = "mse",
+                 window: int = 128, key_rescale: bool = False, value_rescale: bool = False,
+                 split: str = "outlier", seed: int = 0) -> None:
+        text = config.get_text_config(decoder=True)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        key_codec = HeadCodec(head_dim, key_bits, key_mode, key_rescale, split, seed)
+        value_codec = HeadCodec(head_dim, value_bits, "mse", value_rescale, split, seed + 1000)
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+        layers = [TurboQuantLayer(key_codec, value_codec, window) if kind == "full_attention"
+                  else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw) for kind, kw in zip(layer_types, layer_kwargs)]
+        super().__init__(layers=layers)
+        self.key_codec, self.value_codec = key_codec, value_codec
+
+    def nbytes(self) -> int:
+        """Exact bytes held by all layers (compressed layers: codes + window + statistics)."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, TurboQuantLayer):
+                total += layer.nbytes()
+            elif getattr(layer, "is_initialized", False):
+                total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values) if t is not None)
+        return total
