@@ -55,6 +55,10 @@ def test_search_equals_brute_force_over_decoded(metric: str, bits: float, correc
     mismatch = I != I_ref
     assert np.all(np.abs(D - D_ref)[mismatch] <= tol[mismatch])
     assert mismatch.mean() < 0.01
+    picked = index.score(q, I[:, :3].reshape(-1))  # score() gives the same estimates for chosen ids
+    expected = D[:, :3].reshape(-1)
+    got = picked.reshape(len(q), len(q), 3)[np.arange(len(q)), np.arange(len(q))].reshape(-1)
+    assert np.allclose(got, expected, rtol=1e-5, atol=1e-4 * (1 + np.abs(expected).max()))
 
 
 def _recall(found: np.ndarray, truth: np.ndarray) -> float:
@@ -270,9 +274,22 @@ def test_concurrent_searches_and_writers_see_consistent_snapshots() -> None:
 
 def test_auto_correction_choice_follows_budget() -> None:
     assert Index(384, 1, metric="cosine").correction == "center"  # 4 B of 48
-    assert Index(50, 1, metric="cosine").correction == "none"  # 4 B of 7
-    assert Index(50, 4, metric="cosine").correction == "center"  # 4 B of 25
+    assert Index(50, 1, metric="cosine").correction == "none"  # 4 B of 7, and below 2 bits
+    assert Index(50, 2, metric="cosine").correction == "rescale"  # 1 B uint8 scale of 13
+    assert Index(50, 4, metric="cosine").correction == "rescale"  # center: 4 B of 25 > 10%
+    assert Index(50, 8, metric="cosine").correction == "center"  # 4 B of 50
     assert Index(50, 2, metric="ip").correction == "rescale"  # 8 B of 13
+
+
+def test_uint8_log_scale_code_is_accurate() -> None:
+    """The cosine "rescale" scale is stored as a uint8 log code: relative error ≤ half a step, 2^(1/510) − 1."""
+    from tqvec.index import _load_side, _store_side
+
+    s = torch.linspace(1.0, 2.0, 10_001)
+    back = _load_side(_store_side(s, torch.uint8))
+    assert float((back / s - 1).abs().max()) <= 2 ** (1 / 510) - 1 + 1e-6
+    index = Index(64, 2, metric="cosine")
+    assert index.correction == "rescale" and index.side_fields == {"scale": torch.uint8}
 
 
 def test_rerank_improves_recall() -> None:

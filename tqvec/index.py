@@ -17,9 +17,11 @@ with ``c`` a centering vector (the mean of the first ``add`` call, frozen, store
 centering (``c = 0``, no bias); ``"none"`` stores the plain norm (plain TurboQuant; with
 ``metric="cosine"`` nothing at all, the norm being 1). For ``metric="l2"``, ``bias_x`` also holds
 ``−‖x‖²/2`` and ``D = ‖q‖² − 2·score``. The per-query constant does not change the ranking.
-Side information is float16 for ``cosine`` (bounded values) and float32 otherwise.
-``"auto"`` picks ``"center"`` when its side information takes at most ``AUTO_SIDE_SHARE`` of the
-budget, else the cheapest correction (measured on GloVe-50 and KJV-MiniLM: README, Index section).
+Side information is float16 for ``cosine`` (bounded values) and float32 otherwise, except the
+cosine ``"rescale"`` scale, a uint8 log code (see :func:`_side_fields`). ``"auto"`` picks ``"center"``
+when its side information takes at most ``AUTO_SIDE_SHARE`` of the budget, else ``"rescale"`` (for
+cosine only from ``AUTO_RESCALE_MIN_BITS`` bits on, else ``"none"``): rules measured on GloVe-50 and
+KJV-MiniLM (README, Index section).
 
 Concurrency. ``search`` may run from many threads at once. ``add`` and ``remove`` take a lock and
 never modify rows that a running search reads (``add`` writes past the published size, growth
@@ -47,7 +49,12 @@ from .validation import as_float_matrix, as_ids, check_bits, check_choice, check
 METRICS = ("ip", "l2", "cosine")
 CORRECTIONS = ("auto", "none", "rescale", "center")
 #: "auto" centers when scale + bias take at most this share of the per-vector budget
-AUTO_SIDE_SHARE = 0.25
+AUTO_SIDE_SHARE = 0.10
+#: below this budget (bits per dimension) "auto" stores no per-vector scale for cosine: at 1 bit a
+#: constant scale ranked better than the rescaled one on both real sets (README, Index section)
+AUTO_RESCALE_MIN_BITS = 2
+#: a uint8 scale code c stands for 2**(c / LOG_SCALE_STEPS), covering [1, 2] (cosine "rescale": 1/⟨ŷ, Πx⟩)
+LOG_SCALE_STEPS = 255
 FILE_KIND = "tqvec.Index"
 FILE_VERSION = 1
 
@@ -65,14 +72,33 @@ class _Rows:
         return _Rows({k: t[:n] for k, t in self.tensors.items()}, self.ids[:n], n)
 
 
-def _side_fields(metric: str, mode: str, correction: str) -> tuple[str, ...]:
-    """Per-vector side-information fields stored for this configuration."""
-    fields = () if (metric == "cosine" and correction == "none") else ("scale",)
+def _side_fields(metric: str, mode: str, correction: str) -> dict[str, torch.dtype]:
+    """Per-vector side-information fields stored for this configuration, with their storage dtypes.
+
+    float16 for cosine (bounded values), float32 otherwise; for cosine with ``"rescale"`` the scale
+    1/⟨ŷ, Πx⟩ ∈ [1, 2] is a uint8 log code (relative step 0.27%).
+    """
+    names = () if (metric == "cosine" and correction == "none") else ("scale",)
     if correction == "center" or metric == "l2":
-        fields += ("bias",)
+        names += ("bias",)
     if mode == "prod":
-        fields += ("residual",)
+        names += ("residual",)
+    fields = {name: torch.float16 if metric == "cosine" else torch.float32 for name in names}
+    if metric == "cosine" and correction == "rescale" and mode == "mse":
+        fields["scale"] = torch.uint8
     return fields
+
+
+def _store_side(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.uint8:
+        return (torch.log2(values) * LOG_SCALE_STEPS).round().clamp(0, LOG_SCALE_STEPS).to(torch.uint8)
+    return values.to(dtype)
+
+
+def _load_side(stored: torch.Tensor) -> torch.Tensor:
+    if stored.dtype == torch.uint8:
+        return torch.exp2(stored.float() / LOG_SCALE_STEPS)
+    return stored.float()
 
 
 class Index:
@@ -101,11 +127,11 @@ class Index:
         self.metric = check_choice("metric", metric, METRICS)
         self.mode = check_choice("mode", mode, ("mse", "prod"))
         check_choice("correction", correction, CORRECTIONS)
-        self.side_dtype = torch.float16 if metric == "cosine" else torch.float32
         self.row_bytes = math.ceil(self.dim * self.bits / 8)
         if correction == "auto":
             side = self._side_bytes(_side_fields(metric, mode, "center"))
-            correction = "center" if side <= AUTO_SIDE_SHARE * self.row_bytes else ("none" if metric == "cosine" else "rescale")
+            cheap = "rescale" if metric != "cosine" or self.bits >= AUTO_RESCALE_MIN_BITS else "none"
+            correction = "center" if side <= AUTO_SIDE_SHARE * self.row_bytes else cheap
         self.correction = correction
         self.side_fields = _side_fields(metric, mode, correction)
         self.device = torch.device(device)
@@ -121,8 +147,9 @@ class Index:
         self._sorted: tuple[np.ndarray, np.ndarray] | None = None
         self._rows = _Rows(self._empty_tensors(), np.zeros(0, np.int64), 0)
 
-    def _side_bytes(self, fields: tuple[str, ...]) -> int:
-        return len(fields) * torch.finfo(self.side_dtype).bits // 8
+    @staticmethod
+    def _side_bytes(fields: dict[str, torch.dtype]) -> int:
+        return sum(torch.empty(0, dtype=dtype).element_size() for dtype in fields.values())
 
     def _budget_quantizer(self, code_bytes: int, seed: int, rotation: str) -> TurboQuantizer:
         """The quantizer whose packed codes (and QJL bits) fill ``code_bytes`` bytes per vector."""
@@ -131,15 +158,15 @@ class Index:
             code_bytes -= math.ceil(probe.rotated_dim / 8)
         if code_bytes < 0 or (self.mode == "mse" and code_bytes == 0):
             raise ValueError(f"bits={self.bits:g} leaves no room for codes at dim={self.dim} "
-                             f"(side information {self.side_fields} needs {self._side_bytes(self.side_fields)} bytes)")
+                             f"(side information {tuple(self.side_fields)} needs {self._side_bytes(self.side_fields)} bytes)")
         layout = layout_for_bytes(probe.rotated_dim, code_bytes)
         rescale = self.mode == "mse" and self.correction != "none"
         return TurboQuantizer(self.dim, 1, self.mode, rotation, seed, rescale, layout=layout)
 
     def _empty_tensors(self) -> dict[str, torch.Tensor]:
-        dev, side = self.device, self.side_dtype
+        dev = self.device
         tensors = {"packed": torch.zeros(0, self.quantizer.layout.row_bytes, dtype=torch.uint8, device=dev)}
-        tensors.update({name: torch.zeros(0, dtype=side, device=dev) for name in self.side_fields})
+        tensors.update({name: torch.zeros(0, dtype=dtype, device=dev) for name, dtype in self.side_fields.items()})
         if self.mode == "prod":
             tensors["qjl"] = torch.zeros(0, math.ceil(self.quantizer.rotated_dim / 8), dtype=torch.uint8, device=dev)
         if self.fine_quantizer is not None:
@@ -217,7 +244,7 @@ class Index:
         if "bias" in self.side_fields:
             bias = torch.zeros(x.shape[0], device=x.device) if self._center is None else x @ self._center
             side["bias"] = bias - 0.5 * (x * x).sum(1) if self.metric == "l2" else bias
-        out.update({name: side[name].to(self.side_dtype) for name in self.side_fields})
+        out.update({name: _store_side(side[name], dtype) for name, dtype in self.side_fields.items()})
         if self.mode == "prod":
             out["qjl"] = codes.qjl
         if self.fine_quantizer is not None:
@@ -289,8 +316,8 @@ class Index:
     def _codes(self, t: dict[str, torch.Tensor]) -> Codes:
         """The quantizer's :class:`Codes` view of stored rows ``t`` (side fields widened to float32)."""
         n = t["packed"].shape[0]
-        scale = t["scale"].float() if "scale" in t else torch.ones(n, device=t["packed"].device)
-        residual = t["residual"].float() if "residual" in t else None
+        scale = _load_side(t["scale"]) if "scale" in t else torch.ones(n, device=t["packed"].device)
+        residual = _load_side(t["residual"]) if "residual" in t else None
         return Codes(t["packed"], scale, t.get("qjl"), residual)
 
     # ------------------------------------------------------------------ search
