@@ -108,13 +108,12 @@ def bf16_search(queries: torch.Tensor, x: torch.Tensor, k: int) -> tuple[torch.T
 
 
 # ---------------------------------------------------------------- tqvec pieces
-def stage1_ms(rotated: torch.Tensor, block: scan.CodeBlock, table: scan.CodeTable) -> float:
-    """Milliseconds of the search's first stage alone (the scan kernel writing group maxima)."""
-    cfg = ops.tile_config(rotated.shape[0], table.layout)
-    qh, _, qfac = ops._half_queries(rotated, None)
+def stage1_ms(rotated: torch.Tensor, block: scan.CodeBlock, table: scan.CodeTable, cfg: ops.TileConfig | None = None) -> float:
+    """Milliseconds of the search's first stage alone (:func:`ops.group_maxima`: the scan kernel writing
+    group maxima, after the float16 query conversion on the tensor-core path)."""
+    cfg = cfg or ops.tile_config(rotated.shape[0], table.layout, n=len(block))
     rows = min(rotated.shape[0], max(1, ops.MAX_GROUP_SCORES // triton.cdiv(len(block), cfg.block_n)))
-    out = torch.empty(rows, triton.cdiv(len(block), cfg.block_n), device="cuda")
-    return time_ms(lambda: ops._launch_tiles(qh[:rows], None, qfac[:rows], block, table, out, cfg, True)) * rotated.shape[0] / rows
+    return time_ms(lambda: ops.group_maxima(rotated[:rows], None, block, table, cfg)) * rotated.shape[0] / rows
 
 
 def encode_gpu(tq: TurboQuantizer, x: torch.Tensor, boundaries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,7 +204,7 @@ def measure(db: Database, queries: torch.Tensor, args: argparse.Namespace, copy_
                      "recall": recall(found, db.truth), "gbs": gbs, "copy_fraction": gbs / copy_gbs,
                      "speedup_vs_bf16": rows[0]["ms"] / ms, "scan_ms": scan_ms,
                      "scan_copy_fraction": db.code_bytes(b) / scan_ms / 1e6 / copy_gbs,
-                     "config": str(ops.tile_config(nq, tq.layout))})
+                     "config": str(ops.tile_config(nq, tq.layout, n=len(block)))})
         print(rows[-1], flush=True)
     return rows
 
@@ -301,63 +300,65 @@ def _check_case(bits: float, mode: str, d: int, n: int, nq: int) -> bool:
     return good
 
 
+def graph_ms(fn: Callable[[], object]) -> float:
+    """:func:`time_ms` of ``fn`` replayed from a captured CUDA graph (no host launch overhead)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay, 50, 10)
+
+
 def sweep() -> None:
-    """Time stage 1 (group maxima) and the whole search for several tile configurations."""
+    """Time stage 1 (group maxima) and the whole search for candidate tilings on random codes, replaying
+    CUDA graphs; for the first tiling of each shape also the search's steps one by one."""
     C = ops.TileConfig
     grid = {
-        (128, 1, 4): [C(16, 128, 128, True, 1), C(16, 128, 128, True, 4), C(16, 128, 128, True, 4, True),
-                      C(16, 256, 128, True, 2, True, num_warps=8), C(16, 64, 128, True, 8, True)],
-        (128, 100, 4): [C(128, 64, 128, False, 4), C(128, 64, 128, False, 8), C(128, 64, 128, False, 4, True),
-                        C(128, 128, 128, False, 4, True, num_warps=8), C(128, 64, 128, False, 16, True),
-                        C(128, 32, 128, False, 8, True)],
-        (128, 100, 2): [C(128, 64, 128, False, 4), C(128, 128, 128, False, 4, num_warps=8)],
-        (128, 10000, 4): [C(128, 64, 128, False, 4, True), C(128, 128, 128, False, 4, True, num_warps=8),
-                          C(128, 256, 128, False, 2, True, num_warps=8)],
-        (1536, 1, 4): [C(16, 128, 64, True, 1), C(16, 128, 128, True, 1), C(16, 128, 128, True, 1, True),
-                       C(16, 256, 128, True, 1, True, num_warps=8)],
-        (1536, 100, 4): [C(128, 128, 64, False, 1, num_warps=8), C(128, 256, 64, False, 1, num_warps=8),
-                         C(128, 128, 128, False, 1, True, num_warps=8), C(128, 256, 64, False, 1, True, num_warps=8)],
+        (1 << 20, 128, 100, 4): [C(128, 128, 128, False, 4, True, 8), C(128, 128, 128, False, 8, True, 8),
+                                 C(128, 64, 64, False, 4, True, 4)],
+        (1 << 20, 128, 1, 4): [C(1, 32, 64, tiles=32, matvec=True), C(1, 128, 64, tiles=8, matvec=True),
+                               C(16, 128, 128, True, 1)],
+        (10 << 20, 128, 1, 4): [C(1, 32, 64, tiles=128, matvec=True), C(1, 32, 64, tiles=32, matvec=True),
+                                C(16, 128, 128, True, 1)],
+        (1 << 20, 128, 1, 2): [C(1, 32, 64, tiles=32, matvec=True), C(16, 128, 128, True, 1)],
+        (1 << 20, 128, 4, 4): [C(16, 128, 128, True, 1)],
+        (1 << 18, 1536, 1, 4): [C(16, 128, 128, True, 1), C(1, 128, 64, tiles=8, matvec=True)],
     }
-    for (d, nq, bits), configs in grid.items():
-        n = 1 << 20 if d == 128 else 1 << 18
+    copy_gbs = copy_bandwidth_gbs()
+    for (n, d, nq, bits), configs in grid.items():
         tq = TurboQuantizer(d, bits, seed=0)
-        x = torch.randn(n, d, device="cuda")
-        bounds = ops.boundary_table(tq._boundaries, "cuda")
-        packed, norms = encode_gpu(tq, x, bounds)
-        block, table = scan.CodeBlock(packed, norms), tq.table("cuda")
-        if nq == 100 and bits == 4:
-            rot = tq.rotation.forward(x)
-            full_ms = time_ms(lambda: encode_gpu(tq, x, bounds))
-            kernel_ms = time_ms(lambda: ops.encode(rot, table, bounds))
-            print(f"encode d={d} bits={bits}: {n / full_ms / 1e3:.1f} M vectors/s "
-                  f"(kernel alone {n / kernel_ms / 1e3:.1f} M/s)", flush=True)
-            del rot
-        del x
+        table = tq.table("cuda")
+        block = scan.CodeBlock(torch.randint(0, 256, (n, tq.layout.row_bytes), dtype=torch.uint8, device="cuda"),
+                               torch.rand(n, device="cuda") + 0.5)
+        nbytes = block.packed.numel() + 4 * n
         q = tq.rotate_queries(torch.randn(nq, d, device="cuda"))[0]
-        qh, _, qfac = ops._half_queries(q, None)
-        xb = torch.randn(n, d, device="cuda", dtype=torch.bfloat16)
-        qb = torch.randn(nq, d, device="cuda", dtype=torch.bfloat16)
-        base = time_ms(lambda: bf16_search(qb, xb, K))
-        del xb
-        print(f"sweep d={d} n={n} nq={nq} bits={bits}: bf16 baseline {base:.3f} ms", flush=True)
-        for cfg in configs:
+        line = f"sweep n={n} d={d} nq={nq} bits={bits}"
+        print(line, flush=True)
+        for i, cfg in enumerate(configs):
             try:
-                gm = torch.empty(nq, triton.cdiv(n, cfg.block_n), device="cuda")
-                kern = ops._launch_tiles(qh, None, qfac, block, table, gm, cfg, True)
-                s1 = time_ms(lambda: ops._launch_tiles(qh, None, qfac, block, table, gm, cfg, True))
-                full = time_ms(lambda: ops.search(q, block, table, K, config=cfg))
-                gbs = (packed.numel() + 4 * n) / s1 / 1e6
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                for _ in range(20):
-                    ops.search(q, block, table, K, config=cfg)
-                cpu = (time.perf_counter() - t) / 20 * 1e3
-                torch.cuda.synchronize()
-                print(f"  {cfg}: regs {kern.n_regs} spills {kern.n_spills} smem {kern.metadata.shared} | "
-                      f"stage1 {s1:.3f} ms ({gbs:.0f} GB/s), search {full:.3f} ms (host {cpu:.3f} ms/call), "
-                      f"x{base / full:.1f} vs bf16", flush=True)
+                s1 = graph_ms(lambda: ops.group_maxima(q, None, block, table, cfg))
+                full = time_ms(lambda: ops.search(q, block, table, K, config=cfg), 100, 10)
+                print(f"  {cfg}: stage1 {s1:.4f} ms ({nbytes / s1 / 1e6 / copy_gbs:.0%} of copy), search {full:.4f} ms "
+                      f"({nbytes / full / 1e6 / copy_gbs:.0%})", flush=True)
+                if i == 0:
+                    gm = ops.group_maxima(q, None, block, table, cfg)
+                    kg = min(gm.shape[1], K + ops.GROUP_MARGIN)
+                    groups = torch.topk(gm, kg, dim=1, sorted=False).indices
+                    cand, _ = ops._refine(q, None, groups, block, table, cfg.block_n)
+                    print(f"    graphs: half queries {graph_ms(lambda: ops._half_queries(q, None)):.4f}, "
+                          f"topk groups {graph_ms(lambda: torch.topk(gm, kg, dim=1, sorted=False)):.4f}, "
+                          f"refine {graph_ms(lambda: ops._refine(q, None, groups, block, table, cfg.block_n)):.4f}, "
+                          f"final topk {graph_ms(lambda: torch.topk(cand, K, dim=1)):.4f}, "
+                          f"empty graph {graph_ms(lambda: None):.4f} ms", flush=True)
             except Exception as exc:  # noqa: BLE001 - report and keep sweeping
                 print(f"  {cfg}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        del block
+        ops.clear_graphs()
+        torch.cuda.empty_cache()
 
 
 def main() -> None:

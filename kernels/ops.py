@@ -8,7 +8,8 @@ Search runs in two stages and never writes the ``(nq, n)`` score matrix:
 1. :func:`~.scan_kernel.tile_kernel` scores every query against every group of ``block_n`` rows on
    tensor cores (float16 operands, float32 accumulation; each query is first scaled by
    ``1 / max|q|`` so float16 keeps 11 significant bits) and writes only each query's maximum per
-   group: an ``(nq, n / block_n)`` matrix.
+   group: an ``(nq, n / block_n)`` matrix. A single query over narrow 4-bit segments instead goes
+   through :func:`~.scan_kernel.matvec_kernel` (exact float32 on CUDA cores, same output).
 2. ``torch.topk`` picks the ``k + GROUP_MARGIN`` best groups per query, and
    :func:`~.scan_kernel.refine_kernel` rescores their rows in exact float32; a last ``torch.topk``
    over those ``(k + GROUP_MARGIN) · block_n`` candidates gives the answer.
@@ -25,6 +26,7 @@ copy the queries in and replay it, which removes ~0.2 ms of launch overhead per 
 """
 from __future__ import annotations
 
+import math
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -38,12 +40,18 @@ from tqvec.packing import Layout
 from tqvec.scan import CodeBlock, CodeTable
 
 from .encode_kernel import encode_kernel
-from .scan_kernel import refine_kernel, tile_kernel
+from .scan_kernel import half_queries_kernel, matvec_kernel, refine_kernel, tile_kernel
 
 #: extra groups rescored beyond k per query (absorbs stage-1 float16 rounding)
 GROUP_MARGIN = 8
 #: stage-1 group maxima held at once (floats); larger query batches are split
 MAX_GROUP_SCORES = 1 << 28
+#: single-query searches over 4-bit segments of at most this many channels run stage 1 on CUDA cores
+#: (:func:`~.scan_kernel.matvec_kernel`); the tensor-core tile kernel was faster at d = 1536, at nq = 4
+#: and at 2 bits (H200)
+MATVEC_MAX_DIM = 128
+#: rows per program of :func:`~.scan_kernel.refine_kernel` (chosen groups are refined in such slices)
+REFINE_ROWS = 128
 #: replay repeated CUDA searches from captured graphs (see the module docstring)
 USE_CUDA_GRAPHS = True
 GRAPH_CACHE_SIZE = 8
@@ -53,6 +61,9 @@ GRAPH_CACHE_SIZE = 8
 class TileConfig:
     """Stage-1 / scores tiling: queries and rows per tile, channels per ``tl.dot`` step, operand order
     (rows as the MMA's M side), row tiles per program, 4-bit pair table (float16 stage 1 only).
+
+    ``matvec``: search stage 1 by :func:`~.scan_kernel.matvec_kernel` instead: one query per program,
+    ``block_n`` rows per tile, ``block_d`` code bytes per step, ``tiles`` tiles per program.
 
     ``num_stages`` stays 1: software pipelining of the dependent code/level loads measured up to
     10× slower on the H200.
@@ -66,6 +77,7 @@ class TileConfig:
     pair_lut: bool = False
     num_warps: int = 4
     num_stages: int = 1
+    matvec: bool = False
 
 
 def interpreting() -> bool:
@@ -97,13 +109,20 @@ def _pow2_clamp(x: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(max(1, x))))
 
 
-def tile_config(nq: int, layout: Layout, exact: bool = False) -> TileConfig:
-    """Default tiling for ``nq`` queries over ``layout`` (small tiles under the interpreter).
+def tile_config(nq: int, layout: Layout, exact: bool = False, n: int = 0) -> TileConfig:
+    """Default tiling for ``nq`` queries over ``layout`` and ``n`` rows (small tiles under the interpreter).
 
     ``exact``: float32 operands (``scores``), whose tiles need four times the shared memory of the
-    float16 search tiles, so fewer channels per step.
+    float16 search tiles, so fewer channels per step. A single-query search over narrow 4-bit
+    segments runs stage 1 on CUDA cores (``matvec``), with more tiles per program on large ``n``
+    (measured on the H200 at 1M and 10M rows).
     """
     widest = max(d for d, _ in layout.segments)
+    four_bit = {b for d, b in layout.segments if d and b} == {4}
+    if not exact and nq == 1 and four_bit and widest <= MATVEC_MAX_DIM:
+        if interpreting():
+            return TileConfig(1, 16, 8, tiles=2, matvec=True)
+        return TileConfig(1, 32, 64, tiles=128 if n > 1 << 21 else 32, matvec=True)
     if interpreting():
         return TileConfig(block_q=16, block_n=32, block_d=_pow2_clamp(widest, 16, 32))
     block_q = _pow2_clamp(nq, 16, 128)
@@ -205,29 +224,70 @@ def scores(
 
 
 def _half_queries(q: torch.Tensor, p: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Queries (and projections) scaled per row by ``qfac = 1 / max|·|`` and cast to float16, and ``qfac``."""
-    peak = torch.linalg.vector_norm(q if p is None else torch.cat([q, p], 1), float("inf"), dim=1)
-    qfac = peak.clamp_min(1e-30).reciprocal_()
-    return (q * qfac[:, None]).half(), None if p is None else (p * qfac[:, None]).half(), qfac
+    """Queries (and projections) scaled per row by ``qfac = 1 / max|·|`` and cast to float16, and ``qfac``
+    (one launch of :func:`~.scan_kernel.half_queries_kernel`)."""
+    nq, d = q.shape
+    p_dim = 0 if p is None else p.shape[1]
+    qh = torch.empty(nq, d, dtype=torch.float16, device=q.device)
+    ph = None if p is None else torch.empty(nq, p_dim, dtype=torch.float16, device=q.device)
+    qfac = torch.empty(nq, dtype=torch.float32, device=q.device)
+    if nq:
+        half_queries_kernel[(nq,)](q, q if p is None else p, qh, qh if ph is None else ph, qfac, q.stride(0),
+                                   0 if p is None else p.stride(0), D=d, P_DIM=p_dim,
+                                   BLOCK=triton.next_power_of_2(max(d, p_dim)), num_warps=4)
+    return qh, ph, qfac
 
 
 def _refine(
     q: torch.Tensor, p: torch.Tensor | None, groups: torch.Tensor, block: CodeBlock, table: CodeTable, group_rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact scores and row numbers ``(nq, n_groups · group_rows)`` of each query's chosen row groups
-    ``groups`` ``(nq, n_groups)`` (``-inf`` / ``-1`` past the last row)."""
+    ``groups`` ``(nq, n_groups)`` of ``group_rows`` rows (``-inf`` / ``-1`` past the last row)."""
+    rows = math.gcd(group_rows, 32 if interpreting() else REFINE_ROWS)
+    if group_rows > rows:  # refine each chosen group as group_rows / rows slices
+        parts = group_rows // rows
+        groups = (groups[:, :, None] * parts + torch.arange(parts, device=groups.device)).flatten(1)
     nq, kg = groups.shape
-    out = torch.empty(nq, kg * group_rows, dtype=torch.float32, device=q.device)
-    ids = torch.empty(nq, kg * group_rows, dtype=torch.int64, device=q.device)
+    out = torch.empty(nq, kg * rows, dtype=torch.float32, device=q.device)
+    ids = torch.empty(nq, kg * rows, dtype=torch.int64, device=q.device)
     pp = q if p is None else p
-    widest = max(d for d, _ in table.layout.segments)
     refine_kernel[(nq, kg)](
         q, pp, groups, **_operands(block, p), levels_ptr=table.levels, out_ptr=out, ids_ptr=ids,
         n=len(block), n_groups_per_query=kg, stride_q=q.stride(0), stride_p=pp.stride(0), **_row_strides(block),
-        **_segment_args(table.layout), **_flags(block, p), BLOCK_N=group_rows,
-        BLOCK_D=_pow2_clamp(widest, 16, 32 if interpreting() else 64), num_warps=4,
+        **_segment_args(table.layout), **_flags(block, p), BLOCK_N=rows,
+        BLOCK_B=_pow2_clamp(max(table.layout.segment_bytes), 8, 16 if interpreting() else 64), num_warps=4,
     )
     return out, ids
+
+
+def _launch_matvec(
+    q: torch.Tensor, p: torch.Tensor | None, block: CodeBlock, table: CodeTable, out: torch.Tensor, cfg: TileConfig,
+) -> None:
+    """:func:`~.scan_kernel.matvec_kernel`: exact group maxima ``out`` ``(nq, cdiv(n, cfg.block_n))``."""
+    pp = q if p is None else p
+    matvec_kernel[(q.shape[0], triton.cdiv(out.shape[1], cfg.tiles))](
+        q, pp, **_operands(block, p), levels_ptr=table.levels, out_ptr=out, n=len(block), stride_q=q.stride(0),
+        stride_p=pp.stride(0), **_row_strides(block), stride_out=out.stride(0), **_segment_args(table.layout),
+        **_flags(block, p), BLOCK_N=cfg.block_n, BLOCK_B=_pow2_clamp(max(table.layout.segment_bytes), 1, cfg.block_d),
+        TILES=cfg.tiles, num_warps=cfg.num_warps,
+    )
+
+
+def group_maxima(
+    q: torch.Tensor, p: torch.Tensor | None, block: CodeBlock, table: CodeTable, cfg: TileConfig,
+) -> torch.Tensor:
+    """Search stage 1: ``(nq, cdiv(n, cfg.block_n))`` float32, each query's best score per group of rows.
+
+    With ``cfg.matvec`` exact; else from float16 queries scaled by ``qfac = 1 / max|q|`` (so each row
+    is the query's maxima times its ``qfac``, which leaves the ranking of its groups unchanged).
+    """
+    out = torch.empty(q.shape[0], triton.cdiv(len(block), cfg.block_n), dtype=torch.float32, device=q.device)
+    if cfg.matvec:
+        _launch_matvec(q, p, block, table, out, cfg)
+    else:
+        qh, ph, qfac = _half_queries(q, p)
+        _launch_tiles(qh, ph, qfac, block, table, out, cfg, group_max=True)
+    return out
 
 
 def search(
@@ -242,7 +302,7 @@ def search(
     nq, n = q.shape[0], len(block)
     if nq == 0 or n == 0 or k == 0:
         return _pad(torch.empty(nq, 0, device=q.device), torch.empty(nq, 0, dtype=torch.int64, device=q.device), k)
-    cfg = config or tile_config(nq, table.layout)
+    cfg = config or tile_config(nq, table.layout, n=n)
     if q.is_cuda and USE_CUDA_GRAPHS:
         return _graph_search(q, p, block, table, k, cfg)
     return _search(q, p, block, table, k, cfg)
@@ -253,17 +313,15 @@ def _search(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The two-stage search on float32 contiguous queries (``nq, n, k > 0``)."""
     nq, n = q.shape[0], len(block)
-    n_tiles = triton.cdiv(n, cfg.block_n)
-    kg = min(n_tiles, k + GROUP_MARGIN)
-    qh, ph, qfac = _half_queries(q, p)
-    chunk = max(1, MAX_GROUP_SCORES // n_tiles)
+    n_groups = triton.cdiv(n, cfg.block_n)
+    kg = min(n_groups, k + GROUP_MARGIN)
+    chunk = max(1, MAX_GROUP_SCORES // n_groups)
     parts = []
     for q0 in range(0, nq, chunk):
         q1 = min(nq, q0 + chunk)
-        group_max = torch.empty(q1 - q0, n_tiles, dtype=torch.float32, device=q.device)
-        _launch_tiles(qh[q0:q1], None if ph is None else ph[q0:q1], qfac[q0:q1], block, table, group_max, cfg, True)
-        groups = torch.topk(group_max, kg, dim=1, sorted=False).indices
-        candidates, ids = _refine(q[q0:q1], None if p is None else p[q0:q1], groups, block, table, cfg.block_n)
+        qc, pc = q[q0:q1], None if p is None else p[q0:q1]
+        groups = torch.topk(group_maxima(qc, pc, block, table, cfg), kg, dim=1, sorted=False).indices
+        candidates, ids = _refine(qc, pc, groups, block, table, cfg.block_n)
         best, pos = torch.topk(candidates, min(k, candidates.shape[1]), dim=1)
         parts.append((best, ids.gather(1, pos)))
     values, rows = parts[0] if len(parts) == 1 else (torch.cat([v for v, _ in parts]), torch.cat([r for _, r in parts]))

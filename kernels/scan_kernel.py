@@ -7,7 +7,10 @@ Score of query ``q`` (QJL projection ``p``) against row ``i`` (see :mod:`tqvec.s
 * :func:`tile_kernel` scores a tile of queries against a tile of rows with ``tl.dot`` and either
   writes the scores or, for search, only each query's maximum over the tile (one float per
   query and group of ``BLOCK_N`` rows).
+* :func:`matvec_kernel` is the search's first stage for a single query: exact float32 on CUDA cores,
+  writing the same per-tile maxima.
 * :func:`refine_kernel` rescores, in exact float32, the rows of the groups chosen per query.
+* :func:`half_queries_kernel` scales and casts the queries for the float16 first stage.
 
 Segments are passed as constexprs: ``S{0,1}_CH`` first channel, ``S{0,1}_DIM`` channels (0 = absent),
 ``S{0,1}_BITS``, ``S{0,1}_NBYTES``, ``S{0,1}_BYTE`` first byte in the row, ``S{0,1}_ROW`` row of the
@@ -18,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .unpack import pair_lut_values, segment_values
+from .unpack import pair_lut_values, segment_matvec, segment_values
 
 
 @triton.jit
@@ -179,18 +182,62 @@ def tile_kernel(
 
 
 @triton.jit
-def _segment_matvec(
-    acc, q_ptrs, row_ptrs, row_mask, levels_ptr,
-    CH: tl.constexpr, DIM: tl.constexpr, BITS: tl.constexpr, NBYTES: tl.constexpr, BYTE: tl.constexpr,
-    SIGNS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+def _row_scores(
+    q_ptrs, p_ptrs, rows, row_mask, packed_ptr, scale_ptr, bias_ptr, signs_ptr, sign_scale_ptr, levels_ptr,
+    stride_packed, stride_signs,
+    S0_CH: tl.constexpr, S0_DIM: tl.constexpr, S0_BITS: tl.constexpr, S0_NBYTES: tl.constexpr,
+    S0_BYTE: tl.constexpr, S0_ROW: tl.constexpr,
+    S1_CH: tl.constexpr, S1_DIM: tl.constexpr, S1_BITS: tl.constexpr, S1_NBYTES: tl.constexpr,
+    S1_BYTE: tl.constexpr, S1_ROW: tl.constexpr,
+    P_DIM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
-    """``acc`` ``(BLOCK_N,)`` + ⟨query[CH:CH+DIM], decoded segment of each row⟩ in float32."""
-    for d0 in range(0, DIM, BLOCK_D):
-        channel = d0 + tl.arange(0, BLOCK_D)
-        q = tl.load(q_ptrs + CH + channel, mask=channel < DIM, other=0.0)
-        v = segment_values(row_ptrs, row_mask, BYTE, d0, levels_ptr, DIM, BITS, NBYTES, SIGNS, BLOCK_N, BLOCK_D)
-        acc += tl.sum(v * q[None, :], axis=1)
-    return acc
+    """Exact float32 scores ``(BLOCK_N,)`` of one query (``q_ptrs``, QJL projection ``p_ptrs``) against ``rows``."""
+    row_ptrs = packed_ptr + rows.to(tl.int64) * stride_packed
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if S0_DIM > 0:
+        acc = segment_matvec(acc, q_ptrs + S0_CH, row_ptrs, row_mask, S0_BYTE, levels_ptr + S0_ROW * 256,
+                             S0_DIM, S0_BITS, S0_NBYTES, False, BLOCK_N, BLOCK_B)
+    if S1_DIM > 0:
+        acc = segment_matvec(acc, q_ptrs + S1_CH, row_ptrs, row_mask, S1_BYTE, levels_ptr + S1_ROW * 256,
+                             S1_DIM, S1_BITS, S1_NBYTES, False, BLOCK_N, BLOCK_B)
+    acc = acc * tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
+    if P_DIM > 0:
+        sign_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        sign_acc = segment_matvec(sign_acc, p_ptrs, signs_ptr + rows.to(tl.int64) * stride_signs, row_mask, 0,
+                                  levels_ptr, P_DIM, 1, (P_DIM + 7) // 8, True, BLOCK_N, BLOCK_B)
+        acc += sign_acc * tl.load(sign_scale_ptr + rows, mask=row_mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0)
+    return tl.where(row_mask, acc, float("-inf"))
+
+
+@triton.jit
+def matvec_kernel(
+    q_ptr, p_ptr, packed_ptr, scale_ptr, bias_ptr, signs_ptr, sign_scale_ptr, levels_ptr, out_ptr,
+    n, stride_q, stride_p, stride_packed, stride_signs, stride_out,
+    S0_CH: tl.constexpr, S0_DIM: tl.constexpr, S0_BITS: tl.constexpr, S0_NBYTES: tl.constexpr,
+    S0_BYTE: tl.constexpr, S0_ROW: tl.constexpr,
+    S1_CH: tl.constexpr, S1_DIM: tl.constexpr, S1_BITS: tl.constexpr, S1_NBYTES: tl.constexpr,
+    S1_BYTE: tl.constexpr, S1_ROW: tl.constexpr,
+    P_DIM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, TILES: tl.constexpr,
+):
+    """Search stage 1 for one (or a few) queries, on CUDA cores in exact float32: ``out[query, t]`` = the best score of
+    row tile ``t`` (rows ``t · BLOCK_N`` … ``(t + 1) · BLOCK_N``), for ``TILES`` consecutive tiles.
+
+    Program ``(query, j)``; the query axis runs fastest, so the queries of a tile share its codes in L2.
+    """
+    query = tl.program_id(0)
+    q_ptrs = q_ptr + query.to(tl.int64) * stride_q
+    p_ptrs = p_ptr + query.to(tl.int64) * stride_p
+    for t in range(TILES):
+        tile = tl.program_id(1) * TILES + t
+        rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = _row_scores(q_ptrs, p_ptrs, rows, rows < n, packed_ptr, scale_ptr, bias_ptr, signs_ptr, sign_scale_ptr,
+                          levels_ptr, stride_packed, stride_signs,
+                          S0_CH, S0_DIM, S0_BITS, S0_NBYTES, S0_BYTE, S0_ROW, S1_CH, S1_DIM, S1_BITS, S1_NBYTES,
+                          S1_BYTE, S1_ROW, P_DIM, HAS_BIAS, BLOCK_N, BLOCK_B)
+        if tile * BLOCK_N < n:
+            tl.store(out_ptr + query.to(tl.int64) * stride_out + tile, tl.max(acc, axis=0))
 
 
 @triton.jit
@@ -201,7 +248,7 @@ def refine_kernel(
     S0_BYTE: tl.constexpr, S0_ROW: tl.constexpr,
     S1_CH: tl.constexpr, S1_DIM: tl.constexpr, S1_BITS: tl.constexpr, S1_NBYTES: tl.constexpr,
     S1_BYTE: tl.constexpr, S1_ROW: tl.constexpr,
-    P_DIM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    P_DIM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     """Exact float32 scores of one query against one chosen group of ``BLOCK_N`` rows.
 
@@ -212,27 +259,32 @@ def refine_kernel(
     query = tl.program_id(0)
     j = tl.program_id(1)
     slot = query.to(tl.int64) * n_groups_per_query + j
-    group = tl.load(groups_ptr + slot)
-    rows = group * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.load(groups_ptr + slot) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < n
-    row_ptrs = packed_ptr + rows.to(tl.int64) * stride_packed
-    q_ptrs = q_ptr + query.to(tl.int64) * stride_q
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if S0_DIM > 0:
-        acc = _segment_matvec(acc, q_ptrs, row_ptrs, row_mask, levels_ptr + S0_ROW * 256,
-                              S0_CH, S0_DIM, S0_BITS, S0_NBYTES, S0_BYTE, False, BLOCK_N, BLOCK_D)
-    if S1_DIM > 0:
-        acc = _segment_matvec(acc, q_ptrs, row_ptrs, row_mask, levels_ptr + S1_ROW * 256,
-                              S1_CH, S1_DIM, S1_BITS, S1_NBYTES, S1_BYTE, False, BLOCK_N, BLOCK_D)
-    acc = acc * tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
-    if P_DIM > 0:
-        sign_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        sign_acc = _segment_matvec(sign_acc, p_ptr + query.to(tl.int64) * stride_p,
-                                   signs_ptr + rows.to(tl.int64) * stride_signs, row_mask, levels_ptr,
-                                   0, P_DIM, 1, (P_DIM + 7) // 8, 0, True, BLOCK_N, BLOCK_D)
-        acc += sign_acc * tl.load(sign_scale_ptr + rows, mask=row_mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0)
-    acc = tl.where(row_mask, acc, float("-inf"))
+    acc = _row_scores(q_ptr + query.to(tl.int64) * stride_q, p_ptr + query.to(tl.int64) * stride_p, rows, row_mask,
+                      packed_ptr, scale_ptr, bias_ptr, signs_ptr, sign_scale_ptr, levels_ptr, stride_packed, stride_signs,
+                      S0_CH, S0_DIM, S0_BITS, S0_NBYTES, S0_BYTE, S0_ROW, S1_CH, S1_DIM, S1_BITS, S1_NBYTES,
+                      S1_BYTE, S1_ROW, P_DIM, HAS_BIAS, BLOCK_N, BLOCK_B)
     tl.store(out_ptr + slot * BLOCK_N + tl.arange(0, BLOCK_N), acc)
     tl.store(ids_ptr + slot * BLOCK_N + tl.arange(0, BLOCK_N), tl.where(row_mask, rows, -1))
+
+
+@triton.jit
+def half_queries_kernel(
+    q_ptr, p_ptr, qh_ptr, ph_ptr, qfac_ptr, stride_q, stride_p,
+    D: tl.constexpr, P_DIM: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One query per program: ``qfac = 1 / max(max|q|, max|p|, 1e-30)``; float16 ``q · qfac`` ``(nq, D)`` and
+    ``p · qfac`` ``(nq, P_DIM)`` (``P_DIM`` 0: no projection)."""
+    row = tl.program_id(0).to(tl.int64)
+    channel = tl.arange(0, BLOCK)
+    q = tl.load(q_ptr + row * stride_q + channel, mask=channel < D, other=0.0)
+    peak = tl.max(tl.abs(q), axis=0)
+    if P_DIM > 0:
+        p = tl.load(p_ptr + row * stride_p + channel, mask=channel < P_DIM, other=0.0)
+        peak = tl.maximum(peak, tl.max(tl.abs(p), axis=0))
+    qfac = 1.0 / tl.maximum(peak, 1e-30)
+    tl.store(qh_ptr + row * D + channel, (q * qfac).to(tl.float16), mask=channel < D)
+    if P_DIM > 0:
+        tl.store(ph_ptr + row * P_DIM + channel, (p * qfac).to(tl.float16), mask=channel < P_DIM)
+    tl.store(qfac_ptr + row, qfac)

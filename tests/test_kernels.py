@@ -134,6 +134,20 @@ def test_tilings(config: ops.TileConfig, bits: float, mode: str, dim: int) -> No
     assert ((group_max.cpu() - expected).abs().max() / expected.abs().max()).item() < 5e-3
 
 
+MATVEC_LAYOUTS = [(2, "mse", 64), (3, "mse", 40), (4, "mse", 40), (3.5, "prod", 40)]
+
+
+@pytest.mark.parametrize("bits,mode,dim", MATVEC_LAYOUTS)
+def test_matvec_search(bits: float, mode: str, dim: int) -> None:
+    """CUDA-core first stage (the single-query default at 4 bits), two queries, several tiles per program."""
+    tq, cpu_block, dev_block, rotated, projected = make_case(bits, mode, dim, n=75, nq=2, bias=True)
+    assert ops.tile_config(1, tq.layout).matvec == (bits == 4)
+    ref = scan.scores(rotated, cpu_block, tq.table("cpu"), projected)
+    config = ops.TileConfig(1, 16, 8, tiles=3, matvec=True)
+    got = ops.search(dev(rotated), dev_block, tq.table(DEVICE), 7, dev(projected), config=config)
+    assert_topk_equal(got, scan.search(rotated, cpu_block, tq.table("cpu"), 7, projected), ref)
+
+
 def test_search_in_query_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Query batches split when the group maxima would exceed MAX_GROUP_SCORES."""
     monkeypatch.setattr(ops, "MAX_GROUP_SCORES", 6)
