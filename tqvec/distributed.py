@@ -6,9 +6,11 @@ Routing. Every id lives on exactly one shard, computed from the id alone, so ``r
 (stable across processes and versions, unlike Python's ``hash``); ``routing="round_robin"`` assigns
 consecutive ids itself and puts id ``i`` on shard ``i mod n`` (round-robin in insertion order).
 
-Identical scores. A sharded search returns the ids and scores that one :class:`~tqvec.index.Index` with
-the same settings returns over the same data (CPU; tested): every shard encodes with the same ``seed``,
-hence the same rotation and codebook, and, where the correction centers, with the same frozen center.
+Identical scores. A sharded search returns the scores that one :class:`~tqvec.index.Index` with the same
+settings returns over the same data, bit for bit, and the same ids except where scores tie exactly
+(duplicate vectors: their order is unspecified in ``Index`` too; KJV, 260 duplicate rows: 98.9 % of ids
+in the same place, every score equal). Every shard encodes with the same ``seed``, hence the same
+rotation and codebook, and, where the correction centers, with the same frozen center.
 :class:`ShardedIndex` computes that center exactly as ``Index`` does, as the mean of its first non-empty
 ``add`` call, and hands it to every shard; :func:`build_shards` takes it as ``center=`` (for instance
 ``Index.center`` of an index built earlier) or computes the mean of all the data in one extra pass.
@@ -20,11 +22,12 @@ file, size, vector count and the SHA-256 that ends the file) and one :meth:`Inde
 files of the previous save: a crash at any point leaves a loadable directory.
 
 Failures. Each shard actor runs with Ray's ``max_restarts``; a restarted actor reloads its shard from
-the file that its directory's manifest names (or starts empty if it was never saved). ``search``,
-``len`` and ``reconstruct`` retry a shard that is down until ``timeout`` seconds have passed, then raise
-:class:`ShardError` naming it. A restart that lost changes made since the last save (detected through a
-token that changes with every actor start) makes the shard *lost*: searches raise ``ShardError``, and
-``save`` refuses, until the index is reloaded with :meth:`ShardedIndex.load`. ``search(...,
+the file that its directory's manifest names (or starts empty if it was never saved; the first ``save``
+to a directory re-creates the actors from there). ``search``, ``len`` and ``reconstruct`` retry a shard
+that is down until ``timeout`` seconds have passed, then raise :class:`ShardError` naming it. A restart
+that lost changes made since the last save (every reply carries a token drawn at actor start and the name
+of the file loaded) makes the shard *lost*: searches raise ``ShardError``, and ``save`` refuses, until
+the index is reloaded with :meth:`ShardedIndex.load`. ``search(...,
 allow_partial=True)`` returns the merged answer of the shards that answered, plus the missing ones.
 ``add``, ``remove`` and ``save`` are not retried (a retry could apply twice); a failing shard raises
 ``ShardError``, and ``add``/``remove`` are not atomic across shards (other shards keep their part).
@@ -47,7 +50,7 @@ from typing import Any
 import numpy as np
 import ray
 import torch
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from . import storage
 from .index import FILE_KIND, Index
@@ -58,6 +61,10 @@ MANIFEST_KIND = "tqvec.ShardedIndex"
 MANIFEST_VERSION = 1
 ROUTINGS = ("hash", "round_robin")
 _SHARD_FILE = re.compile(r"shard-\d{5}-[0-9a-f]{8}\.tqv")
+#: CPUs reserved per encoder actor of :func:`build_shards` (each runs one torch thread). Below 1 so that
+#: ``workers`` = the cluster's CPUs leaves room for Ray Data's file listing and read tasks (else: deadlock)
+ENCODER_CPUS = 0.5
+Epoch = tuple[str, "str | None"]  # (token of one actor start, the shard file it loaded)
 _DIGEST_SIZE = 32  # the SHA-256 that ends every tqvec.storage file
 
 
@@ -172,24 +179,18 @@ def _check_shard_file(directory: Path, shard: int, entry: dict[str, Any]) -> Pat
 
 
 def _empty_index_file(path: Path, settings: dict[str, Any], center: np.ndarray | None) -> None:
-    """Write an empty :class:`Index` with ``settings`` whose centering vector is frozen at ``center``.
-
-    ``Index`` freezes its center from its first ``add`` and has no setter; the center is written into the
-    index's (versioned) file format instead, which :meth:`Index.load` restores.
-    """
-    Index(**settings).save(path)
+    """Write an empty :class:`Index` with ``settings`` whose centering vector is frozen at ``center``."""
+    index = Index(**settings)
     if center is not None:
-        meta, arrays = storage.load_arrays(path, FILE_KIND)
-        arrays["center"] = np.asarray(center, np.float32)
-        storage.save_arrays(path, FILE_KIND, dict(meta, center_pending=False), arrays)
+        index.set_center(center)
+    index.save(path)
 
 
 def _centered_index(settings: dict[str, Any], center: np.ndarray) -> Index:
     """An empty :class:`Index` with ``settings`` and its center frozen at ``center`` ``(dim,)``."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "empty.tqv"
-        _empty_index_file(path, settings, center)
-        return Index.load(path)
+    index = Index(**settings)
+    index.set_center(center)
+    return index
 
 
 def _first_center(x: torch.Tensor, metric: str) -> np.ndarray:
@@ -203,34 +204,36 @@ def _first_center(x: torch.Tensor, metric: str) -> np.ndarray:
 
 
 class _Shard:
-    """One shard in a Ray actor. Every reply carries ``epoch``, a token drawn anew at each (re)start."""
+    """One shard in a Ray actor. Every method returns ``(value, epoch)``; ``epoch`` is ``(token, file)``: a
+    token drawn anew at each (re)start and the name of the shard file it started from (None: empty)."""
 
     def __init__(self, shard: int, make: Callable[[], Any], settings: dict[str, Any] | None, directory: str | None,
                  mmap: bool) -> None:
         self.shard, self.settings = shard, settings
-        self.epoch = secrets.token_hex(8)
-        self.index = self._restore(make, directory, mmap)
+        self.index, source = self._restore(make, directory, mmap)
+        self.epoch = (secrets.token_hex(8), source)
 
-    def _restore(self, make: Callable[[], Any], directory: str | None, mmap: bool) -> Any:
-        """The shard as its directory's manifest names it, or a fresh index when there is none."""
-        fresh = make()
+    def _restore(self, make: Callable[[], Any], directory: str | None, mmap: bool) -> tuple[Any, str | None]:
+        """The shard and its file name, as its directory's manifest names it; a fresh index if none."""
         if directory is None or not (Path(directory) / MANIFEST).exists():
-            return fresh
+            return make(), None
+        cls = Index if self.settings is not None else type(make())
         for _ in range(3):  # a concurrent save may delete the file between reading the manifest and opening
             entry = read_manifest(directory)["shards"][self.shard]
             try:
-                return type(fresh).load(_check_shard_file(Path(directory), self.shard, entry), mmap=mmap)
+                path = _check_shard_file(Path(directory), self.shard, entry)
+                return (cls.load(path, mmap=True) if mmap else cls.load(path)), entry["file"]
             except FileNotFoundError:
                 time.sleep(0.1)
         raise FileNotFoundError(f"shard {self.shard}: the file named by {directory}/{MANIFEST} is missing")
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> tuple[dict[str, Any], Epoch]:
         center = getattr(self.index, "center", None)
         return {"class": f"{type(self.index).__module__}.{type(self.index).__qualname__}", "dim": self.index.dim,
-                "metric": self.index.metric, "count": len(self.index), "epoch": self.epoch,
-                "center": None if center is None else center.tolist()}
+                "metric": self.index.metric, "count": len(self.index),
+                "center": None if center is None else center.tolist()}, self.epoch
 
-    def add(self, x: np.ndarray, ids: np.ndarray, center: np.ndarray | None) -> str:
+    def add(self, x: np.ndarray, ids: np.ndarray, center: np.ndarray | None) -> tuple[None, Epoch]:
         """Add ``x`` ``(n, dim)`` under ``ids``; ``center``: the shared center to freeze first (plain Index)."""
         if center is not None:
             have = self.index.center
@@ -239,21 +242,21 @@ class _Shard:
             elif have is None or not np.array_equal(have, center):
                 raise ValueError(f"shard {self.shard}: its center differs from the index's shared center")
         self.index.add(x, ids)
-        return self.epoch
+        return None, self.epoch
 
-    def remove(self, ids: np.ndarray) -> tuple[int, str]:
+    def remove(self, ids: np.ndarray) -> tuple[int, Epoch]:
         return self.index.remove(ids), self.epoch
 
-    def search(self, q: np.ndarray, k: int, rerank: int | None) -> tuple[np.ndarray, np.ndarray, str]:
-        return (*self.index.search(q, k, rerank=rerank), self.epoch)
+    def search(self, q: np.ndarray, k: int, options: dict[str, Any]) -> tuple[tuple[np.ndarray, np.ndarray], Epoch]:
+        return self.index.search(q, k, **options), self.epoch
 
-    def reconstruct(self, ids: np.ndarray) -> tuple[np.ndarray, str]:
+    def reconstruct(self, ids: np.ndarray) -> tuple[np.ndarray, Epoch]:
         return self.index.reconstruct(ids), self.epoch
 
-    def count(self) -> tuple[int, str]:
+    def count(self) -> tuple[int, Epoch]:
         return len(self.index), self.epoch
 
-    def save(self, path: str) -> tuple[dict[str, Any], str]:
+    def save(self, path: str) -> tuple[dict[str, Any], Epoch]:
         self.index.save(path)
         return _file_entry(Path(path), len(self.index)), self.epoch
 
@@ -324,12 +327,18 @@ class ShardedIndex:
         path = None if directory is None else str(directory)
         self._actors = [remote.remote(s, self._factory, self._settings, path, self._mmap) for s in range(self.n_shards)]
         self._directory = directory
+        self._epochs: list[Epoch | None] = [None] * self.n_shards
+        self._files: list[str | None] = [None] * self.n_shards
+        if directory is not None:
+            self._files = [entry["file"] for entry in read_manifest(directory)["shards"]]
         try:
-            infos = self._call("info", {s: () for s in range(self.n_shards)}, retry=False, timeout=None)
-        except ShardError:
+            self._check_shards(self._call("info", {s: () for s in range(self.n_shards)}, timeout=None))
+        except BaseException:
             self.close()
             raise
-        self._epochs = [info["epoch"] for info in infos]
+
+    def _check_shards(self, infos: list[dict[str, Any]]) -> None:
+        """Check that the shards agree (class, dim, metric, center) and adopt their metric and center."""
         classes = {info["class"] for info in infos}
         if len(classes) != 1 or {(i["dim"], i["metric"]) for i in infos} != {(self.dim, infos[0]["metric"])}:
             raise ValueError(f"shards disagree or do not match dim={self.dim}: "
@@ -359,13 +368,15 @@ class ShardedIndex:
                 f"routing={self.routing!r}, index_class={self.index_class!r})")
 
     # ------------------------------------------------------------------ calls
-    def _call(self, method: str, args: dict[int, tuple], retry: bool, allow_missing: bool = False,
-              timeout: float | None = -1.0) -> list[Any]:
-        """Call ``method`` on each shard in ``args``; results in shard order (``None`` where missing).
+    def _call(self, method: str, args: dict[int, tuple], *, retry: bool = False, mutates: bool = False,
+              allow_missing: bool = False, timeout: float | None = -1.0) -> list[Any]:
+        """Call ``method`` on each shard in ``args``; values in shard order (``None`` where missing).
 
-        With ``retry`` a shard that is down is called again until ``timeout`` (default ``self.timeout``;
-        None: no limit); then (or at once without ``retry``) it raises :class:`ShardError`, unless
-        ``allow_missing``.
+        Every reply's epoch is noted as it arrives (``mutates``: the shard now has unsaved changes), so a
+        failure elsewhere loses no bookkeeping. With ``retry`` a shard that is down is called again until
+        ``timeout`` (default ``self.timeout``; None: no limit); then (or at once without ``retry``) it raises
+        :class:`ShardError`, unless ``allow_missing``. An error raised inside a shard (e.g. ``KeyError``)
+        is re-raised once every shard has replied.
         """
         if not self._actors:
             raise RuntimeError("this ShardedIndex is closed")
@@ -374,6 +385,7 @@ class ShardedIndex:
         pending = {getattr(self._actors[s], method).remote(*a): s for s, a in args.items()}
         results: list[Any] = [None] * self.n_shards
         failed: dict[int, str] = {}
+        errors: list[Exception] = []
         delay = 0.05
         while pending:
             wait = None if timeout is None else max(0.0, deadline - time.monotonic())
@@ -383,7 +395,10 @@ class ShardedIndex:
                 break
             s = pending.pop(ready[0])
             try:
-                results[s] = ray.get(ready[0])
+                results[s], epoch = ray.get(ready[0])
+            except RayTaskError as err:  # raised by the index inside the shard: typed as its cause
+                errors.append(err)
+                continue
             except RayActorError as err:
                 if not retry or time.monotonic() + delay > deadline:
                     failed[s] = f"actor down ({type(err).__name__}: {_last_line(err)})"
@@ -391,20 +406,27 @@ class ShardedIndex:
                 time.sleep(delay)
                 delay = min(2 * delay, 1.0)
                 pending[getattr(self._actors[s], method).remote(*args[s])] = s
+                continue
+            self._observe(s, epoch)
+            if mutates:
+                self._unsaved[s] = True
+        if errors:
+            raise errors[0]
         if failed and not allow_missing:
             raise ShardError(f"{method}: " + "; ".join(f"shard {s}: {why}" for s, why in sorted(failed.items())), failed)
         return results
 
-    def _observe(self, shard: int, epoch: str) -> None:
-        """Note the epoch of a reply: a changed one means a restart, which lost any unsaved changes."""
+    def _observe(self, shard: int, epoch: Epoch) -> None:
+        """Note the epoch of a reply. A new one means a restart: it lost data if the shard had unsaved changes
+        or started from another file than the last save's (a restart racing a save)."""
         with self._lock:
             if epoch != self._epochs[shard]:
-                if self._unsaved[shard]:
+                if self._epochs[shard] is not None and (self._unsaved[shard] or epoch[1] != self._files[shard]):
                     self._lost.add(shard)
                 self._epochs[shard], self._unsaved[shard] = epoch, False
 
     def _lost_error(self, shards: Sequence[int]) -> ShardError:
-        where = f"the file of {self._directory}" if self._directory else "an empty index (never saved)"
+        where = f"its file in {self._directory}" if self._directory else "an empty index (never saved)"
         return ShardError(f"shard(s) {sorted(shards)} restarted from {where} and lost the changes made after the "
                           "last save; reload with ShardedIndex.load and add them again", shards)
 
@@ -434,11 +456,8 @@ class ShardedIndex:
                 self._center = _first_center(x_t, self.metric)
             x_np = x_t.numpy()
             parts = self._route(ids)
-            epochs = self._call("add", {s: (x_np[p], ids[p], self._center) for s, p in parts.items()}, retry=False)
-            for s in parts:
-                self._observe(s, epochs[s])
-                self._unsaved[s] = True
             self._next_id = max(self._next_id, int(ids.max()) + 1)
+            self._call("add", {s: (x_np[p], ids[p], self._center) for s, p in parts.items()}, mutates=True)
         return ids
 
     def remove(self, ids: Any) -> int:
@@ -446,16 +465,14 @@ class ShardedIndex:
         ids = np.unique(as_ids(ids))
         with self._lock:
             parts = self._route(ids)
-            replies = self._call("remove", {s: (ids[p],) for s, p in parts.items()}, retry=False)
-            for s in parts:
-                self._observe(s, replies[s][1])
-                self._unsaved[s] = True
-        return sum(replies[s][0] for s in parts)
+            counts = self._call("remove", {s: (ids[p],) for s, p in parts.items()}, mutates=True)
+        return sum(counts[s] for s in parts)
 
     # ------------------------------------------------------------------ reads
-    def search(self, queries: Any, k: int, rerank: int | None = None, *,
-               allow_partial: bool = False) -> tuple[np.ndarray, ...]:
+    def search(self, queries: Any, k: int, rerank: int | None = None, *, allow_partial: bool = False,
+               **options: Any) -> tuple[np.ndarray, ...]:
         """``(D, I)`` as :meth:`Index.search` (``(nq, k)``; best first; −1 and ∓inf padding), merged over shards.
+        ``rerank`` and ``options`` (e.g. ``nprobe=`` of an IVF index) go to every shard's ``search``.
 
         A shard that is down is retried until ``timeout``, then :class:`ShardError` names it. With
         ``allow_partial=True`` returns ``(D, I, missing)``: the merge over the shards that answered and the
@@ -464,16 +481,13 @@ class ShardedIndex:
         k = check_positive_int("k", k)
         q = as_float_matrix(queries, self.dim, "queries", "cpu").numpy()
         q_ref = ray.put(q)  # one copy in the object store, read by every shard
-        replies = self._call("search", {s: (q_ref, k, rerank) for s in range(self.n_shards)}, retry=True,
+        options = options if rerank is None else dict(options, rerank=rerank)
+        replies = self._call("search", {s: (q_ref, k, options) for s in range(self.n_shards)}, retry=True,
                              allow_missing=allow_partial)
-        for s, reply in enumerate(replies):
-            if reply is not None:
-                self._observe(s, reply[2])
         missing = {s for s, r in enumerate(replies) if r is None} | self._lost
         if self._lost and not allow_partial:
             raise self._lost_error(self._lost)
-        D, I = merge_topk([r[:2] for s, r in enumerate(replies) if s not in missing], k, self.metric,
-                          nq=len(q))
+        D, I = merge_topk([r for s, r in enumerate(replies) if s not in missing], k, self.metric, nq=len(q))
         return (D, I, tuple(sorted(missing))) if allow_partial else (D, I)
 
     def reconstruct(self, ids: Any) -> np.ndarray:
@@ -483,20 +497,17 @@ class ShardedIndex:
         replies = self._call("reconstruct", {s: (ids[p],) for s, p in parts.items()}, retry=True)
         out = np.empty((len(ids), self.dim), np.float32)
         for s, p in parts.items():
-            self._observe(s, replies[s][1])
-            out[p] = replies[s][0]
+            out[p] = replies[s]
         if self._lost & parts.keys():
             raise self._lost_error(self._lost & parts.keys())
         return out
 
     def shard_sizes(self) -> list[int]:
         """Vectors held by each shard."""
-        replies = self._call("count", {s: () for s in range(self.n_shards)}, retry=True)
-        for s, (_, epoch) in enumerate(replies):
-            self._observe(s, epoch)
+        counts = self._call("count", {s: () for s in range(self.n_shards)}, retry=True)
         if self._lost:
             raise self._lost_error(self._lost)
-        return [n for n, _ in replies]
+        return counts
 
     def __len__(self) -> int:
         return sum(self.shard_sizes())
@@ -530,14 +541,12 @@ class ShardedIndex:
             token = secrets.token_hex(4)
             files = [directory / f"shard-{s:05d}-{token}.tqv" for s in range(self.n_shards)]
             try:
-                replies = self._call("save", {s: (str(f),) for s, f in enumerate(files)}, retry=False)
-                for s, (_, epoch) in enumerate(replies):
-                    self._observe(s, epoch)
+                entries = self._call("save", {s: (str(f),) for s, f in enumerate(files)})
                 if self._lost:
                     raise self._lost_error(self._lost)
                 config = {"dim": self.dim, "n_shards": self.n_shards, "routing": self.routing,
                           "index": self._settings, "next_id": self._next_id, "index_class": self.index_class}
-                _commit(directory, config, [entry for entry, _ in replies])
+                _commit(directory, config, entries)
             except BaseException:
                 for f in files:
                     f.unlink(missing_ok=True)
@@ -545,6 +554,8 @@ class ShardedIndex:
             self._unsaved[:] = False
             if directory != self._directory:
                 self._spawn(directory)
+            else:
+                self._files = [f.name for f in files]
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, index_factory: Callable[[], Any] | None = None, mmap: bool = False,
@@ -651,7 +662,7 @@ def build_shards(
         _empty_index_file(empty, settings, center)
         parts: list[list[str]] = [[] for _ in range(n_shards)]
         encoded = ds.map_batches(_EncodeParts, batch_size=rows_per_task, batch_format="numpy", concurrency=workers,
-                                 fn_constructor_kwargs={"empty": str(empty), "parts_dir": str(work),
+                                 num_cpus=ENCODER_CPUS, fn_constructor_kwargs={"empty": str(empty), "parts_dir": str(work),
                                                         "n_shards": n_shards, "routing": routing})
         for row in encoded.iter_rows():
             parts[int(row["shard"])].append(str(row["path"]))
@@ -673,7 +684,7 @@ def _read_parquet(files: list[Path], id_column: str, vector_column: str, routing
     """Rows ``{"id": int64, "vector": (dim,) float}`` of Parquet files."""
     if routing == "round_robin":
         raise ValueError("Parquet sources carry their own ids: use routing='hash' (round_robin numbers rows itself)")
-    ds = ray.data.read_parquet([str(f) for f in files], columns=[id_column, vector_column])
+    ds = ray.data.read_parquet([str(f) for f in files]).select_columns([id_column, vector_column])
     return ds.map_batches(_columns, batch_format="numpy", fn_kwargs={"id_column": id_column, "vector_column": vector_column})
 
 

@@ -210,6 +210,19 @@ class Index:
         return (f"Index(dim={self.dim}, bits={self.bits:g}, metric={self.metric!r}, mode={self.mode!r}, "
                 f"correction={self.correction!r}, n={len(self)}, code_bits={self.quantizer.bits:.3f})")
 
+    def set_center(self, center: Any) -> None:
+        """Freeze the centering vector ``c`` ``(dim,)`` before the first ``add`` (``correction="center"`` only),
+        e.g. to share one center across shards or to take it from a sample. Cosine indexes expect a mean of
+        unit vectors."""
+        c = as_float_matrix(np.asarray(center, np.float32).reshape(1, -1) if not isinstance(center, torch.Tensor)
+                            else center.reshape(1, -1), self.dim, "center", self.device)[0]
+        with self._lock:
+            if self.correction != "center":
+                raise ValueError(f"set_center needs correction='center', this index uses {self.correction!r}")
+            if len(self) or not self._center_pending:
+                raise ValueError("the center is frozen already (set it before the first add)")
+            self._center, self._center_pending = c, False
+
     # ------------------------------------------------------------------ add
     def add(self, x: Any, ids: Any = None) -> np.ndarray:
         """Encode and append ``x`` ``(n, dim)``; ``ids`` int64 ``(n,)`` (default: consecutive). Returns the ids."""
