@@ -5,12 +5,13 @@ For one KV head with ``g`` query heads (GQA) and ``q`` query tokens, the ``g·q`
 * against the compressed tokens through :func:`tqvec.scan.scores` (the shared dispatch point: torch on
   CPU, the Triton scan on CUDA), one call per channel group, on the permuted, rotated queries. The codes
   hold centered keys ``k − μ``, so these are scores ``q·(k − μ)``;
-* against the full-precision tokens as ``q·k − q·μ`` (the same shift, which softmax ignores).
+* against the full-precision tokens (sinks and window) as ``q·k − q·μ`` (the same shift, which softmax
+  ignores). Mask columns are cache positions: sinks, then codes, then the window.
 
 Values: the codes hold ``v − μ_v`` in the rotated domain, so ``Σ p_i v_i`` is computed as
 ``Πᵀ(Σ p_i s_i ŷ_i)`` per group (code blocks dequantized transiently, ``scan.BLOCK_ROWS`` rows at a
 time, never the whole cache) plus ``μ_v·Σ p_i`` plus the full-precision window's ``Σ p_j v_j``.
-On CUDA the value combination runs in :mod:`tqvec.kernels.attention` when that module provides it.
+The same torch code runs on CUDA (the scores then come from the Triton scan behind scan.scores).
 
 Masks: the registered mask function always materializes the boolean ``(b, 1, q, kv)`` mask
 (transformers' ``sdpa_mask`` without the causal skip), whose columns are absolute cache positions.
@@ -29,6 +30,8 @@ from .cache import CompressedKV
 from .store import CodeStore
 
 NAME = "tqvec"
+#: value code rows (over all heads) dequantized at once on CUDA (the CPU uses ``scan.BLOCK_ROWS``)
+CUDA_VALUE_ROWS = 1 << 20
 
 
 def _head_scores(handle: CompressedKV, queries: torch.Tensor, batch: int, head: int) -> torch.Tensor:
@@ -46,23 +49,29 @@ def _head_scores(handle: CompressedKV, queries: torch.Tensor, batch: int, head: 
     return out
 
 
-def _head_values(store: CodeStore, perm: torch.Tensor | None, probs: torch.Tensor, batch: int, head: int) -> torch.Tensor:
-    """``Σ_i probs[:, i] · (v_i − μ)`` ``(m, d)`` over one head's compressed values; ``probs`` ``(m, n)`` float32."""
-    m, n = probs.shape
+def _values(store: CodeStore, perm: torch.Tensor | None, probs: torch.Tensor) -> torch.Tensor:
+    """``Σ_i probs[..., i] · (v_i − μ)`` ``(b, h, m, d)`` over the compressed values; ``probs`` ``(b, h, m, n)`` float32.
+
+    All heads at once, ``scan.BLOCK_ROWS`` (CPU) or ``CUDA_VALUE_ROWS`` code rows (over all heads)
+    dequantized at a time.
+    """
+    b, h, m, n = probs.shape
+    step = max(1, (CUDA_VALUE_ROWS if probs.is_cuda else scan.BLOCK_ROWS) // (b * h))
     parts = []
     for gi, group in enumerate(store.codec.groups):
         quantizer = group.quantizer
         table = quantizer.table(probs.device)
-        acc = probs.new_zeros((m, quantizer.rotated_dim))
-        for start in range(0, n, scan.BLOCK_ROWS):
-            stop = min(start + scan.BLOCK_ROWS, n)
-            codes = store.codes(gi, batch, head, start, stop)
-            acc += (probs[:, start:stop] * codes.scales) @ scan.dequantize(codes.packed, table)
-        parts.append(quantizer.rotation.inverse(acc))
-    out = torch.cat(parts, dim=1)
+        acc = probs.new_zeros((b, h, m, quantizer.rotated_dim))
+        for start in range(0, n, step):
+            stop = min(start + step, n)
+            packed, scales = store.rows(gi, start, stop)
+            levels = scan.dequantize(packed, table).view(b, h, stop - start, -1)
+            acc += (probs[..., start:stop] * scales[:, :, None, :]) @ levels
+        parts.append(quantizer.rotation.inverse(acc.reshape(b * h * m, -1)).reshape(b, h, m, -1))
+    out = torch.cat(parts, dim=3)
     if perm is None:
         return out
-    return torch.empty_like(out).index_copy_(1, perm[head], out)
+    return torch.empty_like(out).scatter_(3, perm[None, :, None, :].expand(b, h, m, -1), out)
 
 
 def compressed_attention(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
@@ -76,28 +85,28 @@ def compressed_attention(handle: CompressedKV, query: torch.Tensor, mask: torch.
     group = hq // h_kv
     n_codes = handle.n_codes
     queries = query.float().reshape(b, h_kv, group * q_len, d)
-    keys, values = handle.keys.float(), handle.values.float()
+    n_sinks = handle.n_sinks
+    keys = torch.cat([handle.sink_keys, handle.keys], dim=2).float()
+    values = torch.cat([handle.sink_values, handle.values], dim=2).float()
     shift = 0.0 if layer.key_mean is None else torch.einsum("bhmd,bhd->bhm", queries, layer.key_mean)[..., None]
-    window = queries @ keys.transpose(2, 3) - shift  # (b, h_kv, g·q, t)
+    exact = queries @ keys.transpose(2, 3) - shift  # (b, h_kv, g·q, sinks + t)
     if n_codes:
         coded = torch.stack([torch.stack([_head_scores(handle, queries[bi, hj], bi, hj) for hj in range(h_kv)])
                              for bi in range(b)])
-        logits = torch.cat([coded, window], dim=3) * scaling
+        logits = torch.cat([exact[..., :n_sinks], coded, exact[..., n_sinks:]], dim=3) * scaling
     else:
-        logits = window * scaling
+        logits = exact * scaling
     if mask is not None:
         if mask.shape[-1] != handle.kv_length:
             raise ValueError(f"mask covers {mask.shape[-1]} keys, the cache holds {handle.kv_length}")
         allowed = mask.expand(b, 1, q_len, -1).unsqueeze(2).expand(b, 1, group, q_len, -1).reshape(b, 1, group * q_len, -1)
         logits = logits.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(logits, dim=3).nan_to_num(0.0)
-    out = probs[..., n_codes:] @ values
+    coded_probs = probs[..., n_sinks:n_sinks + n_codes]
+    out = torch.cat([probs[..., :n_sinks], probs[..., n_sinks + n_codes:]], dim=3) @ values
     if n_codes:
-        mass = probs[..., :n_codes].sum(dim=3, keepdim=True)
-        out = out + mass * layer.value_mean[:, :, None]
-        out = out + torch.stack([torch.stack([
-            _head_values(layer.value_store, layer.value_perm, probs[bi, hj, :, :n_codes], bi, hj)
-            for hj in range(h_kv)]) for bi in range(b)])
+        out = out + coded_probs.sum(dim=3, keepdim=True) * layer.value_mean[:, :, None]
+        out = out + _values(layer.value_store, layer.value_perm, coded_probs)
     return out.reshape(b, hq, q_len, d)
 
 
@@ -109,6 +118,9 @@ def tqvec_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, v
     if dropout:
         raise ValueError("tqvec attention is inference-only (dropout must be 0)")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if key.n_codes == 0:  # nothing compressed yet (a prefill): exact attention over sinks + window
+        keys, values = torch.cat([key.sink_keys, key.keys], dim=2), torch.cat([key.sink_values, key.values], dim=2)
+        return sdpa_attention_forward(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask == 0
     out = compressed_attention(key, query, attention_mask, scaling)

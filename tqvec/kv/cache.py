@@ -2,9 +2,13 @@
 
 Per full-attention layer (:class:`TurboQuantLayer`):
 
+* the first ``sinks`` tokens (attention sinks, default 4) stay in full precision (``sink_keys`` /
+  ``sink_values``): on SmolLM2 the first token's quantization error alone more than doubles the
+  attention-distribution KL at 4 bits (measured offline: 0.0129 → 0.0051 nats when it is kept).
+  With left padding the first positions of a padded row are pads, so that row's sink is compressed;
 * the newest ``window`` tokens stay in full precision (``keys`` / ``values``, ``(b, h, ≤window, d)``);
-* older tokens are centered (per (batch row, KV head) means, computed once, from all tokens present
-  when the layer first compresses), channel-permuted (outliers first, see :mod:`tqvec.kv.codec`),
+* older tokens are centered (per (batch row, KV head) means, computed once, from all non-sink tokens
+  present when the layer first compresses), channel-permuted (outliers first, see :mod:`tqvec.kv.codec`),
   encoded into a :class:`~tqvec.kv.store.CodeStore`, and their full-precision copies are dropped
   (the window is re-materialized with ``clone`` so no slice keeps the old storage alive).
 
@@ -40,18 +44,25 @@ class CompressedKV:
     """What one layer's attention reads in one forward call.
 
     * ``layer``: the owning :class:`TurboQuantLayer` (codecs, stores, means, permutations);
-    * ``n_codes``: tokens ``[0, n_codes)`` are read from the codes;
-    * ``keys`` / ``values``: ``(b, h, t, d)`` full-precision tokens ``[n_codes, n_codes + t)``.
+    * ``sink_keys`` / ``sink_values``: ``(b, h, s, d)`` full-precision tokens ``[0, s)``;
+    * ``n_codes``: tokens ``[s, s + n_codes)`` are read from the codes;
+    * ``keys`` / ``values``: ``(b, h, t, d)`` full-precision tokens ``[s + n_codes, s + n_codes + t)``.
     """
 
     layer: "TurboQuantLayer"
+    sink_keys: torch.Tensor
+    sink_values: torch.Tensor
     n_codes: int
     keys: torch.Tensor
     values: torch.Tensor
 
     @property
+    def n_sinks(self) -> int:
+        return self.sink_keys.shape[2]
+
+    @property
     def kv_length(self) -> int:
-        return self.n_codes + self.keys.shape[2]
+        return self.n_sinks + self.n_codes + self.keys.shape[2]
 
 
 class TurboQuantLayer(CacheLayerMixin):
@@ -60,15 +71,16 @@ class TurboQuantLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
 
-    def __init__(self, key_codec: HeadCodec, value_codec: HeadCodec, window: int = 128) -> None:
+    def __init__(self, key_codec: HeadCodec, value_codec: HeadCodec, window: int = 128, sinks: int = 4) -> None:
         super().__init__()
-        if window < 0:
-            raise ValueError(f"window must be >= 0, got {window}")
-        self.key_codec, self.value_codec, self.window = key_codec, value_codec, int(window)
+        if window < 0 or sinks < 0:
+            raise ValueError(f"window and sinks must be >= 0, got {window}, {sinks}")
+        self.key_codec, self.value_codec = key_codec, value_codec
+        self.window, self.sinks = int(window), int(sinks)
         self._clear()
 
     def _clear(self) -> None:
-        self.keys = self.values = None
+        self.keys = self.values = self.sink_keys = self.sink_values = None
         self.key_store, self.value_store = CodeStore(self.key_codec), CodeStore(self.value_codec)
         self.key_mean: torch.Tensor | None = None  # (b, h, d) float32
         self.value_mean: torch.Tensor | None = None
@@ -79,8 +91,8 @@ class TurboQuantLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
         b, h, _, d = key_states.shape
-        self.keys = key_states.new_zeros((b, h, 0, d))
-        self.values = value_states.new_zeros((b, h, 0, value_states.shape[-1]))
+        self.keys = self.sink_keys = key_states.new_zeros((b, h, 0, d))
+        self.values = self.sink_values = value_states.new_zeros((b, h, 0, value_states.shape[-1]))
         self.is_initialized = True
 
     # ------------------------------------------------------------------ update
@@ -90,7 +102,12 @@ class TurboQuantLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         keys = torch.cat([self.keys, key_states], dim=2)
         values = torch.cat([self.values, value_states], dim=2)
-        handle = CompressedKV(self, self.key_store.length, keys, values)
+        take = min(self.sinks - self.sink_keys.shape[2], keys.shape[2]) if self.key_store.length == 0 else 0
+        if take > 0:  # the stream's first tokens become sinks (only before anything is compressed)
+            self.sink_keys = torch.cat([self.sink_keys, keys[:, :, :take]], dim=2)
+            self.sink_values = torch.cat([self.sink_values, values[:, :, :take]], dim=2)
+            keys, values = keys[:, :, take:], values[:, :, take:]
+        handle = CompressedKV(self, self.sink_keys, self.sink_values, self.key_store.length, keys, values)
         overflow = keys.shape[2] - self.window
         if overflow > 0:
             if self.key_mean is None:
@@ -103,7 +120,11 @@ class TurboQuantLayer(CacheLayerMixin):
         return handle, handle
 
     def _init_statistics(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Centering means ``(b, h, d)`` and outlier permutations ``(h, d)`` from all tokens present now."""
+        """Centering means ``(b, h, d)`` and outlier permutations ``(h, d)`` from all non-sink tokens present now.
+
+        Any shift is exact for attention; with left padding the pad tokens enter these means (the cache does
+        not see the padding mask), which raises a padded row's quantization error somewhat.
+        """
         self.key_mean = keys.float().mean(dim=2)
         self.value_mean = values.float().mean(dim=2)
         if self.key_codec.uses_outliers:
@@ -115,7 +136,7 @@ class TurboQuantLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         if not self.is_initialized:
             return 0
-        return self.key_store.length + self.keys.shape[2]
+        return self.sink_keys.shape[2] + self.key_store.length + self.keys.shape[2]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -124,8 +145,8 @@ class TurboQuantLayer(CacheLayerMixin):
         return -1
 
     def nbytes(self) -> int:
-        """Exact bytes held: code stores (allocated capacity), full-precision window, means, permutations."""
-        tensors = [self.keys, self.values, self.key_mean, self.value_mean, self.key_perm, self.value_perm]
+        """Exact bytes held: code stores (allocated capacity), full-precision sinks and window, means, permutations."""
+        tensors = [self.keys, self.values, self.sink_keys, self.sink_values, self.key_mean, self.value_mean, self.key_perm, self.value_perm]
         own = sum(t.numel() * t.element_size() for t in tensors if t is not None)
         return own + self.key_store.nbytes() + self.value_store.nbytes()
 
@@ -141,16 +162,20 @@ class TurboQuantLayer(CacheLayerMixin):
         if remove == 0 or not self.is_initialized:
             return
         from_window = min(remove, self.keys.shape[2])
+        from_codes = min(remove - from_window, self.key_store.length)
+        keep_sinks = self.sink_keys.shape[2] - min(remove - from_window - from_codes, self.sink_keys.shape[2])
         keep = self.keys.shape[2] - from_window
         self.keys, self.values = self.keys[:, :, :keep].clone(), self.values[:, :, :keep].clone()
-        self.key_store.truncate(self.key_store.length - (remove - from_window))
-        self.value_store.truncate(self.value_store.length - (remove - from_window))
+        self.sink_keys, self.sink_values = self.sink_keys[:, :, :keep_sinks], self.sink_values[:, :, :keep_sinks]
+        self.key_store.truncate(self.key_store.length - from_codes)
+        self.value_store.truncate(self.value_store.length - from_codes)
 
     def _index_batch(self, index: torch.Tensor) -> None:
         if not self.is_initialized:
             return
         index = index.to(self.keys.device)
         self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
+        self.sink_keys, self.sink_values = self.sink_keys.index_select(0, index), self.sink_values.index_select(0, index)
         if self.key_mean is not None:
             self.key_mean, self.value_mean = self.key_mean.index_select(0, index), self.value_mean.index_select(0, index)
         self.key_store.index_batch(index)
@@ -178,19 +203,19 @@ class TurboQuantCache(Cache):
 
     ``key_bits`` / ``value_bits``: bits per channel (1–8, fractional allowed, see
     :mod:`tqvec.kv.codec`); ``key_mode``: ``"mse"`` or ``"prod"`` (values always ``mse``);
-    ``window``: newest tokens kept in full precision; ``key_rescale`` / ``value_rescale``:
+    ``window``: newest tokens kept in full precision; ``sinks``: first tokens kept in full precision; ``key_rescale`` / ``value_rescale``:
     TurboQuantizer's ``rescale`` (``mse`` only); ``split``: ``"outlier"`` or ``"rotated"``.
     """
 
     def __init__(self, config, key_bits: float = 4, value_bits: float = 4, key_mode: str = "mse",
-                 window: int = 128, key_rescale: bool = False, value_rescale: bool = False,
+                 window: int = 128, sinks: int = 4, key_rescale: bool = False, value_rescale: bool = False,
                  split: str = "outlier", seed: int = 0) -> None:
         text = config.get_text_config(decoder=True)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         key_codec = HeadCodec(head_dim, key_bits, key_mode, key_rescale, split, seed)
         value_codec = HeadCodec(head_dim, value_bits, "mse", value_rescale, split, seed + 1000)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
-        layers = [TurboQuantLayer(key_codec, value_codec, window) if kind == "full_attention"
+        layers = [TurboQuantLayer(key_codec, value_codec, window, sinks) if kind == "full_attention"
                   else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw) for kind, kw in zip(layer_types, layer_kwargs)]
         super().__init__(layers=layers)
         self.key_codec, self.value_codec = key_codec, value_codec

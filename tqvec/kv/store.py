@@ -84,6 +84,12 @@ class CodeStore:
             residual_norms=None if rnorms is None else rnorms[batch, head, start:stop].float(),
         )
 
+    def rows(self, group: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens ``[start, stop)`` of all heads: packed ``(b·h·L, row_bytes)`` uint8, scales ``(b, h, L)`` float32."""
+        f = self.fields[group]
+        packed = f["packed"][:, :, start:stop]
+        return packed.reshape(-1, packed.shape[-1]), f["scales"][:, :, start:stop].float()
+
     def nbytes(self) -> int:
         """Bytes allocated by the store (capacity included)."""
         return sum(v.numel() * v.element_size() for part in self.fields for v in part.values())

@@ -1,0 +1,152 @@
+"""GPU decode-attention latency: tqvec attention over 4-bit K/V codes vs fp16 SDPA (Llama-3-8B shape).
+
+Random fp16 queries/keys/values (speed does not depend on weights): 32 query heads, 8 KV heads,
+head_dim 128, one decode query token, contexts 4k…128k, batch 1 and 8. tqvec: a
+:class:`~tqvec.kv.TurboQuantLayer` holding ``context − window`` tokens as codes plus the window, read by
+:func:`tqvec.kv.attention.compressed_attention` (scores through :func:`tqvec.scan.scores`, i.e. the
+Triton scan on CUDA). Also: end-to-end greedy decode tokens/s and peak memory of a randomly initialized
+Llama-3-8B-shaped model cut to ``--e2e-layers`` layers, DynamicCache + SDPA vs TurboQuantCache + tqvec.
+Writes ``kv_gpu.json`` / ``kv_gpu.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tqvec.kv import TurboQuantCache, TurboQuantLayer
+from tqvec.kv.attention import compressed_attention
+from tqvec.kv.codec import HeadCodec
+
+RESULTS = Path(__file__).resolve().parent / "results"
+HQ, HKV, D = 32, 8, 128
+
+
+def _time_ms(fn: Callable[[], object], iters: int) -> float:
+    """Median milliseconds of ``fn`` over ``iters`` CUDA-event-timed calls after 3 warm-ups."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def attention_row(batch: int, context: int, bits: float, window: int, iters: int) -> dict[str, float]:
+    """One (batch, context) point: SDPA and tqvec latency, their relative output difference, bytes held."""
+    g = torch.Generator(device="cuda").manual_seed(context + batch)
+    q = torch.randn(batch, HQ, 1, D, device="cuda", dtype=torch.float16, generator=g)
+    k = torch.randn(batch, HKV, context, D, device="cuda", dtype=torch.float16, generator=g)
+    v = torch.randn(batch, HKV, context, D, device="cuda", dtype=torch.float16, generator=g)
+    sdpa = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+    sdpa_ms = _time_ms(sdpa, iters)
+    ref = sdpa().float()
+    layer = TurboQuantLayer(HeadCodec(D, bits), HeadCodec(D, bits, seed=1000), window)
+    layer.update(k[:, :, :-1], v[:, :, :-1])
+    handle, _ = layer.update(k[:, :, -1:], v[:, :, -1:])
+    fp_bytes = (k.numel() + v.numel()) * 2
+    del k, v
+    torch.cuda.empty_cache()
+    tq = lambda: compressed_attention(handle, q, None, D ** -0.5)  # noqa: E731
+    tq_ms = _time_ms(tq, iters)
+    err = float((tq() - ref).norm() / ref.norm())
+    return {"batch": batch, "context": context, "sdpa_us": 1000 * sdpa_ms, "tqvec_us": 1000 * tq_ms,
+            "speedup": sdpa_ms / tq_ms, "rel_err": err, "fp16_bytes": fp_bytes, "tqvec_bytes": layer.nbytes()}
+
+
+def end_to_end(layers: int, context: int, new_tokens: int, bits: float) -> list[dict[str, float]]:
+    """Greedy decode tokens/s and peak memory, random Llama-3-8B-shaped model with ``layers`` layers."""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=HQ, num_key_value_heads=HKV,
+                      head_dim=D, num_hidden_layers=layers, vocab_size=128256, max_position_embeddings=context + 64)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).half().eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, context), device="cuda")
+    rows = []
+    for name, impl, make in (("DynamicCache + sdpa", "sdpa", lambda: DynamicCache(config=cfg)),
+                             (f"TurboQuantCache {bits:g}b + tqvec", "tqvec", lambda: TurboQuantCache(cfg, key_bits=bits, value_bits=bits))):
+        model.set_attn_implementation(impl)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.no_grad():
+            cache = make()
+            logits = model(input_ids=ids, cache=cache, logits_to_keep=1).logits[:, -1]
+            token = logits.argmax(-1, keepdim=True)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(new_tokens):
+                token = model(input_ids=token, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+        cache_bytes = cache.nbytes() if isinstance(cache, TurboQuantCache) else sum(
+            (l.keys.numel() + l.values.numel()) * 2 for l in cache.layers)
+        rows.append({"cache": name, "layers": layers, "context": context, "tokens_per_s": new_tokens / seconds,
+                     "peak_mem_gib": (torch.cuda.max_memory_allocated() - base) / 2 ** 30, "cache_mib": cache_bytes / 2 ** 20})
+        del cache
+    return rows
+
+
+def _markdown(rows: list[dict], e2e: list[dict], command: str, device: str) -> str:
+    out = [f"# Decode attention on {device}: tqvec (4-bit K/V codes) vs fp16 SDPA", "",
+           f"Command: `{command}`. 32 query heads, 8 KV heads, head_dim 128, 1 query token; median of CUDA-event timings.",
+           "", "| batch | context | SDPA fp16 µs | tqvec µs | speed-up | rel. error | KV bytes fp16 → tqvec |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['batch']} | {r['context']} | {r['sdpa_us']:.0f} | {r['tqvec_us']:.0f} | {r['speedup']:.2f}× | "
+                   f"{r['rel_err']:.3f} | {r['fp16_bytes'] / 2**20:.0f} MiB → {r['tqvec_bytes'] / 2**20:.0f} MiB |")
+    if e2e:
+        out += ["", "End-to-end greedy decode (random Llama-3-8B-shaped model, fewer layers):", "",
+                "| cache | layers | context | tokens/s | peak extra memory GiB | cache MiB |", "|---|---|---|---|---|---|"]
+        out += [f"| {r['cache']} | {r['layers']} | {r['context']} | {r['tokens_per_s']:.1f} | {r['peak_mem_gib']:.2f} | "
+                f"{r['cache_mib']:.0f} |" for r in e2e]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the GPU attention benchmark (needs CUDA) and write ``kv_gpu.json`` / ``kv_gpu.md`` under ``--out``."""
+    p = argparse.ArgumentParser(prog="bench.kv_gpu", description=__doc__.splitlines()[0])
+    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536, 131072])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--bits", type=float, default=4)
+    p.add_argument("--window", type=int, default=128)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--e2e-layers", type=int, default=4, help="0 skips the end-to-end decode")
+    p.add_argument("--e2e-context", type=int, default=32768)
+    p.add_argument("--e2e-tokens", type=int, default=16)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.kv_gpu needs a CUDA device")
+    command = "python -m bench.kv_gpu " + shlex.join(argv if argv is not None else sys.argv[1:])
+    rows = []
+    for batch in args.batches:
+        for context in args.contexts:
+            rows.append(attention_row(batch, context, args.bits, args.window, args.iters))
+            print(json.dumps(rows[-1]), flush=True)
+            torch.cuda.empty_cache()
+    e2e = end_to_end(args.e2e_layers, args.e2e_context, args.e2e_tokens, args.bits) if args.e2e_layers else []
+    for r in e2e:
+        print(json.dumps(r), flush=True)
+    device = torch.cuda.get_device_name()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kv_gpu.json").write_text(json.dumps({"command": command, "device": device, "attention": rows, "end_to_end": e2e}, indent=2))
+    (args.out / "kv_gpu.md").write_text(_markdown(rows, e2e, command, device))
+
+
+if __name__ == "__main__":
+    main()
