@@ -100,6 +100,12 @@ def pack(indices: torch.Tensor, layout: Layout) -> torch.Tensor:
             continue
         seg = indices[:, channel:channel + dim].to(torch.uint8)
         channel += dim
+        if 8 % bits == 0:  # whole codes per byte: shift and add, no bit stream
+            per_byte = 8 // bits
+            seg = torch.nn.functional.pad(seg, (0, nbytes * per_byte - dim)).view(n, nbytes, per_byte)
+            shifts = bits * torch.arange(per_byte, device=device, dtype=torch.int32)
+            parts.append((seg.to(torch.int32) << shifts).sum(-1, dtype=torch.int32).to(torch.uint8))
+            continue
         stream = ((seg.unsqueeze(-1) >> _shifts(bits, device)) & 1).reshape(n, dim * bits)
         stream = torch.nn.functional.pad(stream, (0, nbytes * 8 - dim * bits))
         weights = (1 << _shifts(8, device).to(torch.int32)).to(torch.uint8)

@@ -80,10 +80,12 @@ def dequantize(packed: torch.Tensor, table: CodeTable) -> torch.Tensor:
         if bits == 0:
             parts.append(packed.new_zeros((n, dim), dtype=torch.float32))
         elif 8 % bits == 0:
-            parts.append(table.byte_lookup(s)[seg.long()].reshape(n, nbytes * (8 // bits))[:, :dim])
+            # index_select on the flattened bytes: ~4x faster on CPU than advanced indexing
+            lut = table.byte_lookup(s)
+            parts.append(lut.index_select(0, seg.reshape(-1).long()).view(n, nbytes * (8 // bits))[:, :dim])
         else:
             idx = unpack(seg, Layout(((dim, bits),)))
-            parts.append(table.levels[s][idx])
+            parts.append(table.levels[s].index_select(0, idx.reshape(-1)).view(n, dim))
     return torch.cat(parts, dim=1)
 
 
