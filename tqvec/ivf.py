@@ -51,7 +51,6 @@ import torch
 
 from . import scan, storage
 from .index import CORRECTIONS, METRICS
-from .packing import layout_for_bytes
 from .quantizer import Codes, TurboQuantizer
 from .validation import as_float_matrix, as_ids, check_bits, check_choice, check_positive_int
 
@@ -194,15 +193,12 @@ class IVFIndex:
 
     def _budget_quantizer(self, code_bytes: int, rotation: str) -> TurboQuantizer:
         """The quantizer whose packed codes (and QJL bits) fill ``code_bytes`` bytes per vector."""
-        probe = TurboQuantizer(self.dim, 1, self.mode, rotation, self.seed)
-        if self.mode == "prod":
-            code_bytes -= math.ceil(probe.rotated_dim / 8)
-        if code_bytes < 0 or (self.mode == "mse" and code_bytes == 0):
-            raise ValueError(f"bits={self.bits:g} leaves no room for codes at dim={self.dim} "
-                             f"(side information {self.side_fields} needs {self._side_bytes(self.side_fields)} bytes)")
-        layout = layout_for_bytes(probe.rotated_dim, code_bytes)
         rescale = self.mode == "mse" and self.correction != "none"
-        return TurboQuantizer(self.dim, 1, self.mode, rotation, self.seed, rescale, layout=layout)
+        try:
+            return TurboQuantizer.for_bytes(self.dim, code_bytes, self.mode, rotation, self.seed, rescale)
+        except ValueError as err:
+            raise ValueError(f"bits={self.bits:g}: {err} (side information {tuple(self.side_fields)} needs "
+                             f"{self._side_bytes(self.side_fields)} bytes)") from err
 
     def _empty_tensors(self) -> dict[str, torch.Tensor]:
         dev, side = self.device, self.side_dtype

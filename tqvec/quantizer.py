@@ -27,8 +27,8 @@ import torch
 
 from . import scan
 from .codebook import lloyd_max_codebook
-from .packing import Layout, pack, pack_signs, split_channels, unpack_signs
-from .rotation import gaussian_matrix, make_rotation
+from .packing import Layout, layout_for_bytes, pack, pack_signs, split_channels, unpack_signs
+from .rotation import gaussian_matrix, make_rotation, rotated_dim
 from .validation import as_float_matrix, check_bits, check_choice, check_positive_int
 
 MODES = ("mse", "prod")
@@ -131,6 +131,17 @@ class TurboQuantizer:
         self._boundary_tables: dict[torch.device, torch.Tensor] = {}
         self._qjl_cpu = gaussian_matrix(self.rotated_dim, self.rotated_dim, self.seed + QJL_SEED_OFFSET) if mode == "prod" else None
         self._qjl: dict[torch.device, torch.Tensor] = {}
+
+    @classmethod
+    def for_bytes(cls, dim: int, code_bytes: int, mode: str = "mse", rotation: str = "haar", seed: int = 0,
+                  rescale: bool = False) -> "TurboQuantizer":
+        """The quantizer whose packed codes (and, in ``prod`` mode, QJL bits) fill at most ``code_bytes`` bytes
+        per vector, bits spread as evenly as possible over the rotated channels."""
+        channels = rotated_dim(check_choice("rotation", rotation, ("haar", "hadamard")), dim)
+        mse_bytes = code_bytes - (math.ceil(channels / 8) if mode == "prod" else 0)
+        if mse_bytes < 0 or (mode == "mse" and mse_bytes == 0):
+            raise ValueError(f"{code_bytes} bytes per vector leaves no room for codes at dim={dim} in {mode!r} mode")
+        return cls(dim, 1, mode, rotation, seed, rescale, layout=layout_for_bytes(channels, mse_bytes))
 
     def __repr__(self) -> str:
         return (f"TurboQuantizer(dim={self.dim}, bits={self.bits:.4g}, mode={self.mode!r}, "

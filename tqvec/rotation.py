@@ -79,7 +79,7 @@ class HadamardRotation:
 
     def __init__(self, dim: int, seed: int) -> None:
         self.dim = dim
-        self.out_dim = 1 << max(0, math.ceil(math.log2(dim)))
+        self.out_dim = rotated_dim("hadamard", dim)
         self._signs64 = torch.randint(0, 2, (self.out_dim,), generator=_generator(seed), dtype=torch.float64) * 2 - 1
         self._signs: dict[torch.device, torch.Tensor] = {}
 
@@ -102,6 +102,11 @@ class HadamardRotation:
 
 Rotation = HaarRotation | HadamardRotation
 ROTATIONS = {"haar": HaarRotation, "hadamard": HadamardRotation}
+
+
+def rotated_dim(kind: str, dim: int) -> int:
+    """Coordinates the rotation ``kind`` maps ``dim``-vectors to (Hadamard pads to a power of two)."""
+    return 1 << max(0, math.ceil(math.log2(dim))) if kind == "hadamard" else dim
 
 
 def make_rotation(kind: str, dim: int, seed: int) -> Rotation:
