@@ -99,22 +99,9 @@ def shard_of(ids: np.ndarray, n_shards: int, routing: str = "hash") -> np.ndarra
 
 
 def _write_json_atomic(path: Path, obj: dict) -> None:
-    """Write ``obj`` as JSON to ``path``: temp file, fsync, rename, fsync of the directory."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=1, allow_nan=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Write ``obj`` as JSON to ``path`` atomically (:func:`tqvec.storage.write_atomic`)."""
+    text = json.dumps(obj, indent=1, allow_nan=False).encode("utf-8")
+    storage.write_atomic(path, lambda f: f.write(text))
 
 
 def _file_entry(path: Path, count: int) -> dict[str, Any]:

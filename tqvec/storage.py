@@ -33,8 +33,9 @@ import mmap as _mmap
 import os
 import secrets
 import struct
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -132,11 +133,18 @@ def save_arrays(path: str | os.PathLike, kind: str, meta: dict, arrays: dict[str
         raise ValueError(f"arrays must be a dict of name -> numpy array, got {type(arrays).__name__}")
     prepared = {name: _prepare(name, a) for name, a in arrays.items()}
     header = _header_bytes(kind, meta, prepared)
+    write_atomic(path, lambda f: _write_file(f, header, prepared))
+
+
+def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
+    """Create ``path`` with ``write(binary file)``: temp file in the same folder, fsync, rename, fsync of the
+    folder. On any error the temp file is removed and whatever was at ``path`` before is left untouched."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
-            _write_file(f, header, prepared)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
