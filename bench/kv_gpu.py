@@ -11,6 +11,7 @@ Writes ``kv_gpu.json`` / ``kv_gpu.md``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shlex
 import sys
@@ -22,22 +23,42 @@ import torch
 import torch.nn.functional as F
 
 from tqvec.kv import TurboQuantCache, TurboQuantLayer
-from tqvec.kv.attention import compressed_attention
+from tqvec import scan
+from tqvec.kv.attention import compressed_attention, decode_step
 from tqvec.kv.codec import HeadCodec
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HQ, HKV, D = 32, 8, 128
 
 
-def _time_ms(fn: Callable[[], object], iters: int) -> float:
-    """Median milliseconds of ``fn`` over ``iters`` CUDA-event-timed calls after 3 warm-ups."""
+_FLUSH: list[torch.Tensor] = []
+
+
+def _time_ms(fn: Callable[[], object], iters: int, graph: bool = False) -> float:
+    """Median milliseconds of ``fn`` over ``iters`` CUDA-event-timed calls, the L2 cache flushed before each
+    (a 256 MiB write, outside the timed span). ``graph``: time a CUDA-graph replay of ``fn`` instead of
+    eager launches (what a decode loop with static shapes does; removes Python launch latency)."""
+    if not _FLUSH:
+        _FLUSH.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
     for _ in range(3):
         fn()
+    run = fn
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            fn()
+        run = cuda_graph.replay
     times = []
     for _ in range(iters):
+        _FLUSH[0].zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        run()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
@@ -51,23 +72,34 @@ def attention_row(batch: int, context: int, bits: float, window: int, iters: int
     k = torch.randn(batch, HKV, context, D, device="cuda", dtype=torch.float16, generator=g)
     v = torch.randn(batch, HKV, context, D, device="cuda", dtype=torch.float16, generator=g)
     sdpa = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
-    sdpa_ms = _time_ms(sdpa, iters)
+    sdpa_ms, sdpa_graph_ms = _time_ms(sdpa, iters), _time_ms(sdpa, iters, graph=True)
     ref = sdpa().float()
     layer = TurboQuantLayer(HeadCodec(D, bits), HeadCodec(D, bits, seed=1000), window)
     layer.update(k[:, :, :-1], v[:, :, :-1])
     handle, _ = layer.update(k[:, :, -1:], v[:, :, -1:])
     fp_bytes = (k.numel() + v.numel()) * 2
-    del k, v
-    torch.cuda.empty_cache()
-    tq = lambda: compressed_attention(handle, q, None, D ** -0.5)  # noqa: E731
-    tq_ms = _time_ms(tq, iters)
-    err = float((tq() - ref).norm() / ref.norm())
+    step = decode_step(handle, q, None, D ** -0.5)
+    tq = lambda: scan.attend(step)  # noqa: E731
+    tq_ms, tq_graph_ms = _time_ms(tq, iters), _time_ms(tq, iters, graph=True)
+    out = tq().reshape(q.shape).float()
+    err = float((out - ref).norm() / ref.norm())
+    ref_err = float((out - compressed_attention(handle, q, None, D ** -0.5)).norm() / ref.norm())
     return {"batch": batch, "context": context, "sdpa_us": 1000 * sdpa_ms, "tqvec_us": 1000 * tq_ms,
-            "speedup": sdpa_ms / tq_ms, "rel_err": err, "fp16_bytes": fp_bytes, "tqvec_bytes": layer.nbytes()}
+            "speedup": sdpa_ms / tq_ms, "sdpa_graph_us": 1000 * sdpa_graph_ms, "tqvec_graph_us": 1000 * tq_graph_ms,
+            "graph_speedup": sdpa_graph_ms / tq_graph_ms, "rel_err": err, "rel_diff_per_head_path": ref_err,
+            "fp16_bytes": fp_bytes, "tqvec_bytes": layer.nbytes(), "code_bytes_read": _code_bytes(layer)}
+
+
+def _code_bytes(layer: TurboQuantLayer) -> int:
+    """Bytes of the valid codes and scales (what the split kernel reads)."""
+    n = layer.key_store.length
+    return sum(t[:, :, :n].numel() * t.element_size() for store in (layer.key_store, layer.value_store)
+               for f in store.fields for t in f.values())
 
 
 def end_to_end(layers: int, context: int, new_tokens: int, bits: float) -> list[dict[str, float]]:
-    """Greedy decode tokens/s and peak memory, random Llama-3-8B-shaped model with ``layers`` layers."""
+    """Greedy decode tokens/s (after two untimed warm-up steps) and peak memory, random Llama-3-8B-shaped model with
+    ``layers`` layers."""
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
 
     cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=HQ, num_key_value_heads=HKV,
@@ -87,6 +119,8 @@ def end_to_end(layers: int, context: int, new_tokens: int, bits: float) -> list[
             cache = make()
             logits = model(input_ids=ids, cache=cache, logits_to_keep=1).logits[:, -1]
             token = logits.argmax(-1, keepdim=True)
+            for _ in range(2):  # warm-up steps (kernel compilation, allocator), not timed
+                token = model(input_ids=token, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(new_tokens):
@@ -94,7 +128,7 @@ def end_to_end(layers: int, context: int, new_tokens: int, bits: float) -> list[
             torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
         cache_bytes = cache.nbytes() if isinstance(cache, TurboQuantCache) else sum(
-            (l.keys.numel() + l.values.numel()) * 2 for l in cache.layers)
+            t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
         rows.append({"cache": name, "layers": layers, "context": context, "tokens_per_s": new_tokens / seconds,
                      "peak_mem_gib": (torch.cuda.max_memory_allocated() - base) / 2 ** 30, "cache_mib": cache_bytes / 2 ** 20})
         del cache
@@ -104,17 +138,54 @@ def end_to_end(layers: int, context: int, new_tokens: int, bits: float) -> list[
 def _markdown(rows: list[dict], e2e: list[dict], command: str, device: str) -> str:
     out = [f"# Decode attention on {device}: tqvec (4-bit K/V codes) vs fp16 SDPA", "",
            f"Command: `{command}`. 32 query heads, 8 KV heads, head_dim 128, 1 query token; median of CUDA-event timings.",
-           "", "| batch | context | SDPA fp16 µs | tqvec µs | speed-up | rel. error | KV bytes fp16 → tqvec |",
-           "|---|---|---|---|---|---|---|"]
+           "L2 flushed before every timed call. *Graph*: the call replayed from a CUDA graph (a decode loop with static "
+           "shapes); *eager*: launched from Python. tqvec = `tqvec.scan.attend` (split-sequence Triton kernels over the "
+           "codes, sinks and window; `kernels/attention.py`). Code GB/s: K/V codes and scales read per second (graph).",
+           "", "| batch | context | SDPA µs graph | tqvec µs graph | speed-up graph | SDPA µs eager | tqvec µs eager | "
+           "speed-up eager | code GB/s | rel. error vs SDPA | KV bytes fp16 → tqvec |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['batch']} | {r['context']} | {r['sdpa_us']:.0f} | {r['tqvec_us']:.0f} | {r['speedup']:.2f}× | "
-                   f"{r['rel_err']:.3f} | {r['fp16_bytes'] / 2**20:.0f} MiB → {r['tqvec_bytes'] / 2**20:.0f} MiB |")
+        out.append(f"| {r['batch']} | {r['context']} | {r['sdpa_graph_us']:.1f} | {r['tqvec_graph_us']:.1f} | "
+                   f"{r['graph_speedup']:.2f}× | {r['sdpa_us']:.1f} | {r['tqvec_us']:.1f} | {r['speedup']:.2f}× | "
+                   f"{r['code_bytes_read'] / r['tqvec_graph_us'] / 1e3:.0f} | {r['rel_err']:.3f} | "
+                   f"{r['fp16_bytes'] / 2**20:.0f} MiB → {r['tqvec_bytes'] / 2**20:.0f} MiB |")
     if e2e:
         out += ["", "End-to-end greedy decode (random Llama-3-8B-shaped model, fewer layers):", "",
                 "| cache | layers | context | tokens/s | peak extra memory GiB | cache MiB |", "|---|---|---|---|---|---|"]
         out += [f"| {r['cache']} | {r['layers']} | {r['context']} | {r['tokens_per_s']:.1f} | {r['peak_mem_gib']:.2f} | "
                 f"{r['cache_mib']:.0f} |" for r in e2e]
     return "\n".join(out) + "\n"
+
+
+def sweep(contexts: list[int], batches: list[int], bits: float, window: int, iters: int) -> list[dict]:
+    """Graph-replayed tqvec latency for each split-kernel configuration (``kernels.attention`` constants)."""
+    from tqvec.kernels import attention as ka  # noqa: PLC0415
+
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            g = torch.Generator(device="cuda").manual_seed(context + batch)
+            k = torch.randn(batch, HKV, context, D, device="cuda", dtype=torch.float16, generator=g)
+            q = torch.randn(batch, HQ, 1, D, device="cuda", dtype=torch.float16, generator=g)
+            layer = TurboQuantLayer(HeadCodec(D, bits), HeadCodec(D, bits, seed=1000), window)
+            layer.update(k[:, :, :-1], k[:, :, :-1])
+            handle, _ = layer.update(k[:, :, -1:], k[:, :, -1:])
+            del k
+            step = decode_step(handle, q, None, D ** -0.5)
+            grid = itertools.product((32, 64, 128), (4, 8), (1, 2, 3), (2, 4, 8), (True,))
+            for block_n, warps, stages, per_sm, select in grid:
+                ka.BLOCK_N, ka.NUM_WARPS, ka.NUM_STAGES, ka.PROGRAMS_PER_SM = block_n, warps, stages, per_sm
+                ka.ASM_DECODE = select
+                try:
+                    us = 1000 * _time_ms(lambda: scan.attend(step), iters, graph=True)  # noqa: B023
+                except Exception as err:  # noqa: BLE001 - a configuration that does not compile is reported
+                    us = float("nan")
+                    print(f"config failed: {err!r}"[:200], flush=True)
+                rows.append({"batch": batch, "context": context, "block_n": block_n, "warps": warps, "stages": stages,
+                             "programs_per_sm": per_sm, "asm_decode": select, "us": us})
+                print(json.dumps(rows[-1]), flush=True)
+            torch.cuda.empty_cache()
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -129,9 +200,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--e2e-context", type=int, default=32768)
     p.add_argument("--e2e-tokens", type=int, default=16)
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--sweep", action="store_true", help="time split-kernel configurations instead (kv_gpu_sweep.json)")
+    p.add_argument("--config", type=int, nargs=4, metavar=("BLOCK_N", "WARPS", "STAGES", "PER_SM"),
+                   help="split-kernel configuration (default: the constants in kernels/attention.py)")
     args = p.parse_args(argv)
+    if args.config:
+        from tqvec.kernels import attention as ka  # noqa: PLC0415
+
+        ka.BLOCK_N, ka.NUM_WARPS, ka.NUM_STAGES, ka.PROGRAMS_PER_SM = args.config
     if not torch.cuda.is_available():
         raise SystemExit("bench.kv_gpu needs a CUDA device")
+    if args.sweep:
+        rows = sweep(args.contexts, args.batches, args.bits, args.window, args.iters)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "kv_gpu_sweep.json").write_text(json.dumps(rows, indent=2))
+        return
     command = "python -m bench.kv_gpu " + shlex.join(argv if argv is not None else sys.argv[1:])
     rows = []
     for batch in args.batches:

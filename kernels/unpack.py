@@ -6,6 +6,7 @@ stream bits ``[j*BITS, (j+1)*BITS)``, least significant bit first.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -173,3 +174,41 @@ def pair_lut_values(
     values = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_D))
     channel = d0 + tl.arange(0, BLOCK_D)
     return tl.where((channel < DIM)[None, :], values, 0.0)
+
+
+def nibble_asm(levels: torch.Tensor, shift: int) -> str:
+    """PTX for ``tl.inline_asm_elementwise(pack=4)``: 4 uint8 bytes in ``$2`` → the float16 levels of their low
+    (``shift`` 0) or high (4) nibbles in ``$0`` (elements 0, 1) and ``$1`` (2, 3); ``""`` when not applicable.
+
+    Needs a symmetric 16-level codebook (``level[c] = −level[15 − c]`` in float16; ``level[8 + j] ≥ 0``): the
+    magnitude index ``j`` of each code picks the low and high bytes of ``level[8 + j]`` from two 8-byte tables
+    (``prmt``, four codes per instruction), the sign bit is set for codes below 8.
+    """
+    half = levels[:16].to(torch.float16).cpu()
+    if half.numel() != 16 or not torch.equal(half, -half.flip(0)) or bool((half[8:] < 0).any()):
+        return ""
+    bits = [int(v) & 0xFFFF for v in half[8:].view(torch.int16).tolist()]
+    word = lambda values: sum((v & 0xFF) << (8 * i) for i, v in enumerate(values))  # noqa: E731
+    lo0, lo1 = word(bits[:4]), word(bits[4:])
+    hi0, hi1 = word([b >> 8 for b in bits[:4]]), word([b >> 8 for b in bits[4:]])
+    take = f"shr.b32 t, $2, {shift};" if shift else "mov.b32 t, $2;"
+    return (
+        "{ .reg .b32 t, n, m, j, s, l, h, a, b, c, d; "
+        f"{take} and.b32 t, t, 0x0F0F0F0F; "
+        "shr.b32 n, t, 3; and.b32 n, n, 0x01010101; xor.b32 n, n, 0x01010101; "  # n: 1 where code < 8
+        "shl.b32 m, n, 3; sub.u32 m, m, n; and.b32 j, t, 0x07070707; xor.b32 j, j, m; "  # j = code&7 ^ (7 if neg)
+        "shr.b32 s, j, 4; or.b32 s, s, j; prmt.b32 s, s, s, 0x3320; "  # selector nibbles j0 j1 j2 j3
+        f"mov.b32 a, {lo0:#x}; mov.b32 b, {lo1:#x}; mov.b32 c, {hi0:#x}; mov.b32 d, {hi1:#x}; "
+        "prmt.b32 l, a, b, s; prmt.b32 h, c, d, s; shl.b32 n, n, 7; or.b32 h, h, n; "
+        "prmt.b32 $0, l, h, 0x5140; prmt.b32 $1, l, h, 0x7362; }"
+    )
+
+
+@triton.jit
+def nibble_values(row_ptrs, row_mask, byte0, b0, NBYTES: tl.constexpr, ASM: tl.constexpr, WIDTH: tl.constexpr):
+    """Float16 levels ``(BLOCK_N, WIDTH)`` of the low or high nibbles (per :func:`nibble_asm`'s ``ASM``) of bytes
+    ``b0 .. b0 + WIDTH`` of a 4-bit segment: channels ``2·byte`` (low) or ``2·byte + 1`` (high), no reshuffling.
+    Bytes past ``NBYTES`` and masked rows read as byte 0."""
+    offs = b0 + tl.arange(0, WIDTH)
+    raw = tl.load(row_ptrs[:, None] + (byte0 + offs)[None, :], mask=row_mask[:, None] & (offs < NBYTES)[None, :], other=0)
+    return tl.inline_asm_elementwise(ASM, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)

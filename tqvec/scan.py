@@ -166,3 +166,99 @@ def search(
             best_rows[q0:q1] = torch.gather(merged_r, 1, pos)
     best_rows[best_values == float("-inf")] = -1
     return best_values, best_rows
+
+
+# ---------------------------------------------------------------------------------------------- attention
+@dataclass(frozen=True)
+class CodedHeads:
+    """Codes of ``(b, h, tokens)`` head vectors of one quantizer (tokens ``[0, n)`` are read)."""
+
+    packed: torch.Tensor  # (b, h, ≥n, layout.row_bytes) uint8
+    scale: torch.Tensor  # (b, h, ≥n) float16/float32
+    table: CodeTable
+
+
+@dataclass(frozen=True)
+class DecodeAttention:
+    """One decode step of one layer over a compressed KV cache (all tensors on one device).
+
+    Cache positions: ``sinks`` (exact), then ``n_codes`` coded tokens, then the ``window`` (exact).
+    Coded keys are ``k − key_mean = scale · ŷ · key_back``; the queries meet them as
+    ``q · key_rotation`` (``(head_dim, D)``, the keys' forward rotation), values come back as
+    ``scale · ŷ · value_back + value_mean``. ``valid`` ``(b, kv_length)`` bool masks positions out (padding).
+    """
+
+    queries: torch.Tensor  # (b, h, G, head_dim): the G query heads of each KV head
+    scaling: float
+    key_rotation: torch.Tensor  # (head_dim, D) float32
+    value_back: torch.Tensor  # (D, head_dim) float32
+    keys: CodedHeads
+    values: CodedHeads
+    n_codes: int
+    key_mean: torch.Tensor  # (b, h, head_dim) float32
+    value_mean: torch.Tensor  # (b, h, head_dim) float32
+    sink_keys: torch.Tensor  # (b, h, s, head_dim)
+    sink_values: torch.Tensor
+    window_keys: torch.Tensor  # (b, h, w, head_dim)
+    window_values: torch.Tensor
+    valid: torch.Tensor | None = None  # (b, s + n_codes + w) bool
+
+
+def _softmax_merge(state: tuple[torch.Tensor, ...], logits: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Online softmax: fold ``logits`` ``(..., G, L)`` with ``values`` ``(..., L, d)`` into ``(max, sum, acc)``."""
+    m, l, acc = state
+    m_new = torch.maximum(m, logits.amax(-1))
+    m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+    alpha, p = torch.exp(m - m_safe), torch.exp(logits - m_safe[..., None])
+    return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + p @ values
+
+
+def _attend_torch(a: DecodeAttention) -> torch.Tensor:
+    """CPU reference of :func:`attend`: blocks of ``BLOCK_ROWS`` code rows over all heads, online softmax."""
+    q = a.queries.float() * a.scaling
+    b, h, G, dh = q.shape
+    q_rot = q @ a.key_rotation
+    valid = a.valid
+    n_sinks, n = a.sink_keys.shape[2], a.n_codes
+    state = (q.new_full((b, h, G), float("-inf")), q.new_zeros((b, h, G)), q.new_zeros((b, h, G, a.keys.table.layout.dim)))
+    step = max(1, BLOCK_ROWS // (b * h))
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        rows = lambda c: c.packed[:, :, start:stop].reshape(-1, c.packed.shape[-1])  # noqa: E731
+        k = dequantize(rows(a.keys), a.keys.table).view(b, h, stop - start, -1)
+        v = dequantize(rows(a.values), a.values.table).view(b, h, stop - start, -1)
+        logits = (q_rot @ k.transpose(2, 3)) * a.keys.scale[:, :, None, start:stop].float()
+        if valid is not None:
+            logits = logits.masked_fill(~valid[:, None, None, n_sinks + start:n_sinks + stop], float("-inf"))
+        state = _softmax_merge(state, logits, v * a.values.scale[:, :, start:stop, None].float())
+    m_c, l_c, acc_c = state
+    coded = acc_c @ a.value_back + l_c[..., None] * a.value_mean[:, :, None]
+    keys = torch.cat([a.sink_keys, a.window_keys], dim=2).float()
+    values = torch.cat([a.sink_values, a.window_values], dim=2).float()
+    logits = q @ keys.transpose(2, 3) - (q @ a.key_mean[..., None])
+    if valid is not None:
+        exact_valid = torch.cat([valid[:, :n_sinks], valid[:, n_sinks + n:]], dim=1)
+        logits = logits.masked_fill(~exact_valid[:, None, None], float("-inf"))
+    m_e, l_e, acc_e = _softmax_merge((torch.full_like(m_c, float("-inf")), torch.zeros_like(l_c),
+                                      torch.zeros_like(coded)), logits, values)
+    m = torch.maximum(m_c, m_e)
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w_c, w_e = torch.exp(m_c - m_safe), torch.exp(m_e - m_safe)
+    total = w_c * l_c + w_e * l_e
+    out = (w_c[..., None] * coded + w_e[..., None] * acc_e) / torch.where(total > 0, total, torch.ones_like(total))[..., None]
+    return out.to(a.queries.dtype)
+
+
+def attend(a: DecodeAttention) -> torch.Tensor:
+    """Attention output ``(b, h, G, head_dim)`` (``queries``' dtype) of one decode step over coded and exact tokens.
+
+    torch on CPU (blockwise, bounded memory); the split-sequence Triton kernels of
+    :mod:`tqvec.kernels.attention` on CUDA.
+    """
+    if a.valid is not None and a.valid.shape != (a.queries.shape[0], a.sink_keys.shape[2] + a.n_codes + a.window_keys.shape[2]):
+        raise ValueError(f"valid must be (b, kv_length), got {tuple(a.valid.shape)}")
+    if _use_kernels(a.queries):
+        from .kernels import attention  # noqa: PLC0415 - Triton is optional and CUDA-only
+
+        return attention.decode_attention(a)
+    return _attend_torch(a)

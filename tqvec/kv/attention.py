@@ -13,12 +13,19 @@ Values: the codes hold ``v − μ_v`` in the rotated domain, so ``Σ p_i v_i`` i
 time, never the whole cache) plus ``μ_v·Σ p_i`` plus the full-precision window's ``Σ p_j v_j``.
 The same torch code runs on CUDA (the scores then come from the Triton scan behind scan.scores).
 
+Decode steps (one query token, one quantizer per side, ``mse`` keys) go instead through
+:func:`tqvec.scan.attend` (:func:`decode_step` builds its input): an online softmax over code blocks on
+CPU, and on CUDA two fused split-sequence Triton kernels (:mod:`tqvec.kernels.attention`) that read the
+codes, the sinks and the window once, with no per-head Python loop.
+
 Masks: the registered mask function always materializes the boolean ``(b, 1, q, kv)`` mask
 (transformers' ``sdpa_mask`` without the causal skip), whose columns are absolute cache positions.
 Layers whose cache is a plain tensor (sliding-window layers, or another cache class) fall back to
 transformers' SDPA attention.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 from transformers import AttentionInterface
@@ -27,11 +34,14 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .. import scan
 from .cache import CompressedKV
+from .codec import HeadCodec
 from .store import CodeStore
 
 NAME = "tqvec"
 #: value code rows (over all heads) dequantized at once on CUDA (the CPU uses ``scan.BLOCK_ROWS``)
 CUDA_VALUE_ROWS = 1 << 20
+#: rotation → {device: (forward (d, D), inverse (D, d)) float32}
+_ROTATION_MATRICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _head_scores(handle: CompressedKV, queries: torch.Tensor, batch: int, head: int) -> torch.Tensor:
@@ -74,8 +84,39 @@ def _values(store: CodeStore, perm: torch.Tensor | None, probs: torch.Tensor) ->
     return torch.empty_like(out).scatter_(3, perm[None, :, None, :].expand(b, h, m, -1), out)
 
 
+def _rotation_matrices(codec: HeadCodec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The single quantizer's forward ``(d, D)`` and inverse ``(D, d)`` rotations as float32 matrices (cached)."""
+    rotation = codec.groups[0].quantizer.rotation
+    cache = _ROTATION_MATRICES.setdefault(rotation, {})
+    if device not in cache:
+        dim, rotated = codec.head_dim, codec.groups[0].quantizer.rotated_dim
+        cache[device] = (rotation.forward(torch.eye(dim, device=device)).contiguous(),
+                         rotation.inverse(torch.eye(rotated, device=device)).contiguous())
+    return cache[device]
+
+
+def decode_step(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> scan.DecodeAttention | None:
+    """The :class:`tqvec.scan.DecodeAttention` of a one-token step, or None where it does not apply (several query
+    tokens, QJL keys, outlier channel groups): those run :func:`compressed_attention`'s per-head path."""
+    layer = handle.layer
+    b, hq, q_len, d = query.shape
+    codecs = (layer.key_codec, layer.value_codec)
+    if q_len != 1 or handle.n_codes == 0 or any(len(c.groups) != 1 or c.mode != "mse" for c in codecs):
+        return None
+    h_kv = handle.keys.shape[1]
+    k_fwd, _ = _rotation_matrices(layer.key_codec, query.device)
+    _, v_back = _rotation_matrices(layer.value_codec, query.device)
+    k_fields, v_fields = layer.key_store.fields[0], layer.value_store.fields[0]
+    coded = lambda f, codec: scan.CodedHeads(f["packed"], f["scales"], codec.groups[0].quantizer.table(query.device))  # noqa: E731
+    return scan.DecodeAttention(
+        queries=query.reshape(b, h_kv, hq // h_kv, d), scaling=scaling, key_rotation=k_fwd, value_back=v_back,
+        keys=coded(k_fields, layer.key_codec), values=coded(v_fields, layer.value_codec), n_codes=handle.n_codes,
+        key_mean=layer.key_mean, value_mean=layer.value_mean, sink_keys=handle.sink_keys, sink_values=handle.sink_values,
+        window_keys=handle.keys, window_values=handle.values, valid=None if mask is None else mask[:, 0, 0, :].expand(b, -1))
+
+
 def compressed_attention(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-    """Attention output ``(b, hq, q, d)`` float32 for ``query`` ``(b, hq, q, d)``.
+    """Attention output ``(b, hq, q, d)`` float32 for ``query`` ``(b, hq, q, d)`` (the general per-head path).
 
     ``mask``: boolean ``(b, 1, q, kv_length)`` (True = attend) or None (attend to everything).
     """
@@ -123,8 +164,14 @@ def tqvec_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, v
         return sdpa_attention_forward(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask == 0
-    out = compressed_attention(key, query, attention_mask, scaling)
-    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+    if attention_mask is not None and attention_mask.shape[-1] != key.kv_length:
+        raise ValueError(f"mask covers {attention_mask.shape[-1]} keys, the cache holds {key.kv_length}")
+    step = decode_step(key, query, attention_mask, scaling)
+    if step is not None:
+        out = scan.attend(step).reshape(query.shape)
+    else:
+        out = compressed_attention(key, query, attention_mask, scaling).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def tqvec_mask(*args, **kwargs) -> torch.Tensor | None:

@@ -1,0 +1,146 @@
+"""Decode attention over codes: ``scan.attend`` (torch, and the Triton kernels under the interpreter) against
+the general per-head path :func:`tqvec.kv.attention.compressed_attention` and against exact attention."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tqvec import scan
+from tqvec.kv import TurboQuantLayer
+from tqvec.kv.attention import compressed_attention, decode_step
+from tqvec.kv.codec import HeadCodec
+
+kernels = pytest.importorskip("tqvec.kernels.attention")
+from tqvec.kernels import unpack  # noqa: E402
+
+
+def _layer(bits: float, d: int, tokens: int, batch: int = 1, heads: int = 2, window: int = 8, sinks: int = 2,
+           split: str = "rotated", seed: int = 0) -> tuple[object, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(batch, heads, tokens, d, generator=g) + 0.5
+    v = torch.randn(batch, heads, tokens, d, generator=g) - 0.25
+    layer = TurboQuantLayer(HeadCodec(d, bits, split=split), HeadCodec(d, bits, split=split, seed=1000), window, sinks)
+    layer.update(k[:, :, :-1], v[:, :, :-1])
+    handle, _ = layer.update(k[:, :, -1:], v[:, :, -1:])
+    return handle, k, v, g
+
+
+def _query(handle, group: int, g: torch.Generator, dtype=torch.float32) -> torch.Tensor:
+    b, h, _, d = handle.keys.shape
+    return (2 * torch.randn(b, h * group, 1, d, generator=g)).to(dtype)
+
+
+@pytest.mark.parametrize("bits", [4, 3.5, 2, 3])
+def test_torch_attend_equals_per_head_path(bits):
+    handle, _, _, g = _layer(bits, 32, 150)
+    q = _query(handle, 4, g)
+    step = decode_step(handle, q, None, 32 ** -0.5)
+    assert step is not None
+    ref = compressed_attention(handle, q, None, 32 ** -0.5)
+    out = scan.attend(step).reshape(q.shape)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_torch_attend_with_padding_mask_equals_per_head_path():
+    handle, _, _, g = _layer(4, 32, 120, batch=2)
+    q = _query(handle, 2, g)
+    mask = torch.ones(2, 1, 1, handle.kv_length, dtype=torch.bool)
+    mask[1, ..., :37] = False  # row 1 left-padded: a sink and some coded tokens masked out
+    ref = compressed_attention(handle, q, mask, 0.2)
+    out = scan.attend(decode_step(handle, q, mask, 0.2)).reshape(q.shape)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_attend_is_close_to_exact_attention_at_8_bits():
+    """8-bit codes: relative output error below 2 % (per-coordinate 8-bit Lloyd–Max error ≈ 3e-4 of a unit vector's
+    energy, so logits move by ~1e-2 at these scales)."""
+    handle, k, v, g = _layer(8, 64, 300, heads=2)
+    q = _query(handle, 2, g)
+    exact = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))
+    out = scan.attend(decode_step(handle, q, None, 64 ** -0.5)).reshape(q.shape)
+    assert ((out - exact).norm() / exact.norm()).item() < 0.02
+
+
+@pytest.mark.parametrize("bits,d,group,tokens,dtype", [
+    (4, 32, 4, 150, torch.float32), (4, 64, 2, 77, torch.float16), (3.5, 32, 1, 40, torch.float32),
+    (2, 48, 3, 61, torch.bfloat16), (3, 32, 4, 19, torch.float32), (1, 32, 2, 90, torch.float32),
+])
+def test_kernels_equal_torch_reference(bits, d, group, tokens, dtype):
+    """Triton kernels (interpreter on CPU) vs the torch reference. The kernels round the rotated queries, the
+    levels and the probabilities to float16 (relative 2⁻¹¹ each): 3e-3 relative error bound, plus the output
+    dtype's own rounding for float16/bfloat16 queries (bfloat16: 2⁻⁸)."""
+    handle, _, _, g = _layer(bits, d, tokens, batch=2)
+    q = _query(handle, group, g, dtype)
+    mask = torch.ones(2, 1, 1, handle.kv_length, dtype=torch.bool)
+    mask[0, ..., :5] = False
+    for m in (None, mask):
+        step = decode_step(handle, q, m, d ** -0.5)
+        ref = scan._attend_torch(step).float()
+        out = kernels.decode_attention(step).float()
+        assert out.shape == ref.shape and out.dtype == torch.float32
+        assert ((out - ref).norm() / ref.norm()).item() < 3e-3 + (1e-2 if dtype != torch.float32 else 0)
+
+
+def test_decode_step_declines_what_it_cannot_run():
+    handle, _, _, g = _layer(3.5, 32, 60, split="outlier")
+    assert decode_step(handle, _query(handle, 2, g), None, 0.1) is None  # two channel groups
+    handle, _, _, g = _layer(4, 32, 60)
+    assert decode_step(handle, torch.randn(1, 4, 2, 32), None, 0.1) is None  # two query tokens
+
+
+def test_attend_rejects_a_wrong_mask():
+    handle, _, _, g = _layer(4, 32, 60)
+    step = decode_step(handle, _query(handle, 2, g), torch.ones(1, 1, 1, handle.kv_length, dtype=torch.bool), 0.1)
+    bad = scan.DecodeAttention(**{**step.__dict__, "valid": torch.ones(1, 5, dtype=torch.bool)})
+    with pytest.raises(ValueError, match="valid"):
+        scan.attend(bad)
+
+
+def _run_ptx(asm: str, x: int) -> tuple[int, int]:
+    """Execute the straight-line PTX subset that :func:`nibble_asm` emits on one 32-bit input ``$2``."""
+    regs = {"$2": x}
+    val = lambda tok: int(tok, 0) if tok[0].isdigit() else regs[tok]  # noqa: E731
+    body = asm.strip("{} ").split(";")
+    for stmt in body:
+        stmt = stmt.strip()
+        if not stmt or stmt.startswith(".reg"):
+            continue
+        op, args = stmt.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        a = [val(t) for t in src]
+        if op == "prmt.b32":
+            pool = a[0] | (a[1] << 32)
+            out = sum(((pool >> (8 * ((a[2] >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        else:
+            out = {"mov.b32": lambda: a[0], "shr.b32": lambda: a[0] >> a[1], "shl.b32": lambda: a[0] << a[1],
+                   "and.b32": lambda: a[0] & a[1], "or.b32": lambda: a[0] | a[1], "xor.b32": lambda: a[0] ^ a[1],
+                   "sub.u32": lambda: a[0] - a[1]}[op]()
+        regs[d] = out & 0xFFFFFFFF
+    return regs["$0"], regs["$1"]
+
+
+@pytest.mark.parametrize("shift", [0, 4])
+def test_nibble_asm_decodes_every_code(shift):
+    """The PTX decoder of 4-bit levels, executed by a small emulator: bit-exact float16 levels for all 16 codes in
+    every byte lane (runs on the GPU only on CUDA; this checks its arithmetic on CPU)."""
+    levels = HeadCodec(128, 4).groups[0].quantizer.table("cpu").levels[0]
+    asm = unpack.nibble_asm(levels, shift)
+    assert asm
+    expected = levels[:16].half().view(torch.int16).int() & 0xFFFF
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(64):
+        data = torch.randint(0, 256, (4,), generator=rng).tolist()
+        lo, hi = _run_ptx(asm, sum(b << (8 * i) for i, b in enumerate(data)))
+        got = [lo & 0xFFFF, lo >> 16, hi & 0xFFFF, hi >> 16]
+        assert got == [int(expected[(b >> shift) & 15]) for b in data]
+
+
+def test_nibble_asm_declines_an_asymmetric_codebook():
+    levels = HeadCodec(128, 4).groups[0].quantizer.table("cpu").levels[0].clone()
+    levels[3] += 1e-2
+    assert unpack.nibble_asm(levels, 0) == ""
