@@ -8,6 +8,7 @@ device-to-device copy, and encode throughput (rotation GEMM + ``ops.encode``).
 
     python bench/gpu_scan.py --out bench/results          # the table (gpu_scan.json / gpu_scan.md)
     python bench/gpu_scan.py --check --sweep              # GPU correctness check and tile sweep only
+    python bench/gpu_scan.py --topk --out DIR             # torch.topk vs Triton top-k, per stage (gpu_topk.*)
 
 Times are medians of CUDA-event timed calls, with the L2 cache flushed before each call.
 """
@@ -361,6 +362,75 @@ def sweep() -> None:
         torch.cuda.empty_cache()
 
 
+def topk_compare(out_dir: Path, n: int = 1_000_000, d: int = 128, bits: int = 4, nqs: tuple[int, ...] = (1, 100, 10_000)) -> bool:
+    """The search's selection steps with ``torch.topk`` (old) against :mod:`tqvec.kernels.topk` (new), each step
+    replayed from a CUDA graph on a cold L2, and whole searches both ways beside the bf16 baseline; random codes.
+    Checks that both ways choose equal group maxima and return equal results. Writes ``gpu_topk.json`` / ``.md``."""
+    info = environment()
+    tq = TurboQuantizer(d, bits, seed=0)
+    table = tq.table("cuda")
+    block = scan.CodeBlock(torch.randint(0, 256, (n, tq.layout.row_bytes), dtype=torch.uint8, device="cuda"),
+                           torch.rand(n, device="cuda") + 0.5)
+    x_bf16 = torch.randn(n, d, device="cuda", dtype=torch.bfloat16)
+    rows, ok = [], True
+    for nq in nqs:
+        q = tq.rotate_queries(torch.randn(nq, d, device="cuda", generator=torch.Generator(device="cuda").manual_seed(nq)))[0]
+        cfg = ops.tile_config(nq, tq.layout, n=n)
+        gm = ops.group_maxima(q, None, block, table, cfg)
+        kg = min(gm.shape[1], K + ops.GROUP_MARGIN)
+        old_groups = torch.topk(gm, kg, dim=1, sorted=False).indices
+        new_groups = ops.topk_kernels.row_topk(gm, kg)[1]
+        same_groups = torch.equal(gm.gather(1, old_groups).sort(1).values, gm.gather(1, new_groups).sort(1).values)
+        cand, ids = ops._refine(q, None, new_groups, block, table, cfg.block_n)
+        old_best, old_pos = torch.topk(cand, K, dim=1)
+        new_best, new_rows = ops.topk_kernels.row_topk(cand, K, ids)
+        same_final = torch.equal(old_best, new_best) and torch.equal(ids.gather(1, old_pos).sort(1).values, new_rows.sort(1).values)
+        r = {"n": n, "d": d, "bits": bits, "nq": nq, "k": K, "n_groups": gm.shape[1], "kg": kg, "candidates": cand.shape[1],
+             "config": str(cfg), "same_groups": same_groups, "same_final": same_final}
+        r["stage1_ms"] = graph_ms(lambda: ops.group_maxima(q, None, block, table, cfg))
+        r["groups_torch_ms"] = graph_ms(lambda: torch.topk(gm, kg, dim=1, sorted=False))
+        r["groups_triton_ms"] = graph_ms(lambda: ops.topk_kernels.row_topk(gm, kg))
+        r["refine_ms"] = graph_ms(lambda: ops._refine(q, None, new_groups, block, table, cfg.block_n))
+        r["final_torch_ms"] = graph_ms(lambda: ids.gather(1, torch.topk(cand, K, dim=1).indices))
+        r["final_triton_ms"] = graph_ms(lambda: ops.topk_kernels.row_topk(cand, K, ids))
+        r["empty_graph_ms"] = graph_ms(lambda: None)
+        results = {}
+        for name, flag in (("torch", False), ("triton", True)):
+            ops.USE_TRITON_TOPK = flag
+            ops.clear_graphs()
+            r[f"search_{name}_ms"] = time_ms(lambda: ops.search(q, block, table, K), 200, 20)
+            results[name] = ops.search(q, block, table, K)
+        ops.USE_TRITON_TOPK = True
+        r["same_search"] = (torch.equal(results["torch"][0], results["triton"][0])
+                            and torch.equal(results["torch"][1].sort(1).values, results["triton"][1].sort(1).values))
+        qb = q.to(torch.bfloat16)
+        r["bf16_ms"] = time_ms(lambda: bf16_search(qb, x_bf16, K), 200, 10)
+        r["speedup_torch"] = r["bf16_ms"] / r["search_torch_ms"]
+        r["speedup_triton"] = r["bf16_ms"] / r["search_triton_ms"]
+        ok &= same_groups and same_final and r["same_search"]
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+        ops.clear_graphs()
+    lines = ["# torch.topk vs Triton top-k in tqvec search", "",
+             f"`{info['command']}` — {info['gpu']}, torch {info['torch']}, triton {info['triton']}. "
+             f"N = {n:,}, d = {d}, {bits} bits, k = {K}, random codes; steps replayed from CUDA graphs on a cold L2 "
+             "(each includes one graph replay's overhead, see the empty-graph column); searches end to end (graph replay).", "",
+             "| nq | groups | stage 1 | groups torch | groups triton | refine | final torch | final triton | empty graph "
+             "| search torch | search triton | bf16 | speed-up torch / triton | equal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['nq']:,} | {r['n_groups']:,} → {r['kg']} | {r['stage1_ms']:.4f} | {r['groups_torch_ms']:.4f} | "
+                     f"{r['groups_triton_ms']:.4f} | {r['refine_ms']:.4f} | {r['final_torch_ms']:.4f} | {r['final_triton_ms']:.4f} | "
+                     f"{r['empty_graph_ms']:.4f} | {r['search_torch_ms']:.4f} | {r['search_triton_ms']:.4f} | {r['bf16_ms']:.4f} | "
+                     f"{r['speedup_torch']:.1f}× / {r['speedup_triton']:.1f}× | "
+                     f"{'yes' if r['same_groups'] and r['same_final'] and r['same_search'] else 'NO'} |")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "gpu_topk.json").write_text(json.dumps({"environment": info, "results": rows}, indent=1))
+    (out_dir / "gpu_topk.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    return ok
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -371,9 +441,13 @@ def main() -> None:
     parser.add_argument("--max-seconds", type=float, default=420.0, help="skip configurations started after this")
     parser.add_argument("--check", action="store_true", help="only check kernels against the CPU reference")
     parser.add_argument("--sweep", action="store_true", help="only time tile configurations")
+    parser.add_argument("--topk", action="store_true", help="only compare torch.topk and the Triton top-k kernels "
+                        "(N = 1M, d = 128, 4 bits, nq 1 / 100 / 10000), writing gpu_topk.json / .md under --out")
     args = parser.parse_args()
-    if args.check or args.sweep:
+    if args.check or args.sweep or args.topk:
         ok = check() if args.check else True
+        if args.topk:
+            ok &= topk_compare(args.out)
         if args.sweep:
             sweep()
         sys.exit(0 if ok else 1)

@@ -172,19 +172,20 @@ def sweep(contexts: list[int], batches: list[int], bits: float, window: int, ite
             handle, _ = layer.update(k[:, :, -1:], k[:, :, -1:])
             del k
             step = decode_step(handle, q, None, D ** -0.5)
-            grid = itertools.product((32, 64, 128), (4, 8), (1, 2, 3), (2, 4, 8), (True,))
-            for block_n, warps, stages, per_sm, select in grid:
+            grid = itertools.product((32, 64, 128), (4, 8), (1, 2, 3), (2, 4, 8), (True, False))
+            for block_n, warps, stages, per_sm, asm in grid:
                 ka.BLOCK_N, ka.NUM_WARPS, ka.NUM_STAGES, ka.PROGRAMS_PER_SM = block_n, warps, stages, per_sm
-                ka.ASM_DECODE = select
+                ka.ASM_DECODE = asm
                 try:
                     us = 1000 * _time_ms(lambda: scan.attend(step), iters, graph=True)  # noqa: B023
                 except Exception as err:  # noqa: BLE001 - a configuration that does not compile is reported
                     us = float("nan")
                     print(f"config failed: {err!r}"[:200], flush=True)
                 rows.append({"batch": batch, "context": context, "block_n": block_n, "warps": warps, "stages": stages,
-                             "programs_per_sm": per_sm, "asm_decode": select, "us": us})
+                             "programs_per_sm": per_sm, "asm_decode": asm, "us": us})
                 print(json.dumps(rows[-1]), flush=True)
             torch.cuda.empty_cache()
+    ka.ASM_DECODE = True
     return rows
 
 

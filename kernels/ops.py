@@ -10,9 +10,11 @@ Search runs in two stages and never writes the ``(nq, n)`` score matrix:
    ``1 / max|q|`` so float16 keeps 11 significant bits) and writes only each query's maximum per
    group: an ``(nq, n / block_n)`` matrix. A single query over narrow 4-bit segments instead goes
    through :func:`~.scan_kernel.matvec_kernel` (exact float32 on CUDA cores, same output).
-2. ``torch.topk`` picks the ``k + GROUP_MARGIN`` best groups per query, and
-   :func:`~.scan_kernel.refine_kernel` rescores their rows in exact float32; a last ``torch.topk``
-   over those ``(k + GROUP_MARGIN) · block_n`` candidates gives the answer.
+2. :func:`~.topk.row_topk` (Triton, exact up to the order of ties; see :mod:`.topk`) picks the
+   ``k + GROUP_MARGIN`` best groups per query, and :func:`~.scan_kernel.refine_kernel` rescores their
+   rows in exact float32; a last :func:`~.topk.row_topk` over those ``(k + GROUP_MARGIN) · block_n``
+   candidates gives the answer, sorted, equal scores by lower row first. ``torch.topk`` replaces
+   them where ``k + GROUP_MARGIN`` exceeds :data:`~.topk.MAX_K_PAD`, or with ``USE_TRITON_TOPK`` off.
 
 The groups holding the true top-k always have one of the k largest exact group maxima; the margin
 absorbs the float16 rounding of stage 1 (relative error ≲ 2⁻¹⁰ of Σ|q_c·ŷ_c|), so results equal the
@@ -39,6 +41,7 @@ import triton.language as tl
 from tqvec.packing import Layout
 from tqvec.scan import CodeBlock, CodeTable
 
+from . import topk as topk_kernels
 from .encode_kernel import encode_kernel
 from .scan_kernel import half_queries_kernel, matvec_kernel, refine_kernel, tile_kernel
 
@@ -54,6 +57,12 @@ MATVEC_MAX_DIM = 128
 REFINE_ROWS = 128
 #: replay repeated CUDA searches from captured graphs (see the module docstring)
 USE_CUDA_GRAPHS = True
+#: select groups and the final top-k with :mod:`.topk`'s Triton kernels (off: ``torch.topk``) …
+USE_TRITON_TOPK = True
+#: … for at most this many queries per search chunk (H200, N = 1M, d = 128: the Triton kernels took 0.015 / 0.035 ms
+#: against torch.topk's 0.053 / 0.062 ms for the groups at nq = 1 / 100, but 2.17 against 1.07 ms at nq = 10,000;
+#: bench/results/gpu_topk.md)
+TRITON_TOPK_MAX_QUERIES = 1000
 GRAPH_CACHE_SIZE = 8
 
 
@@ -290,6 +299,28 @@ def group_maxima(
     return out
 
 
+def _topk_block() -> int | None:
+    """Candidates per block of the :mod:`.topk` kernels (small under the interpreter, which is slow at sorting)."""
+    return 32 if interpreting() else None
+
+
+def select_groups(group_max: torch.Tensor, kg: int) -> torch.Tensor:
+    """Indices ``(nq, kg)`` int64 of each row's ``kg ≤ n_groups`` largest group maxima (order unspecified)."""
+    if USE_TRITON_TOPK and topk_kernels.supported(kg) and group_max.shape[0] <= TRITON_TOPK_MAX_QUERIES:
+        return topk_kernels.row_topk(group_max, kg, block=_topk_block())[1]
+    return torch.topk(group_max, kg, dim=1, sorted=False).indices
+
+
+def final_topk(candidates: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``min(k, n_candidates)`` best ``candidates`` ``(nq, n_candidates)`` per row, best first, and their
+    ``ids``: ``(values float32, rows int64)``."""
+    kc = min(k, candidates.shape[1])
+    if USE_TRITON_TOPK and topk_kernels.supported(kc) and candidates.shape[0] <= TRITON_TOPK_MAX_QUERIES:
+        return topk_kernels.row_topk(candidates, kc, ids, block=_topk_block())
+    best, pos = torch.topk(candidates, kc, dim=1)
+    return best, ids.gather(1, pos)
+
+
 def search(
     queries: torch.Tensor, block: CodeBlock, table: CodeTable, k: int, projected: torch.Tensor | None = None,
     *, config: TileConfig | None = None,
@@ -320,10 +351,9 @@ def _search(
     for q0 in range(0, nq, chunk):
         q1 = min(nq, q0 + chunk)
         qc, pc = q[q0:q1], None if p is None else p[q0:q1]
-        groups = torch.topk(group_maxima(qc, pc, block, table, cfg), kg, dim=1, sorted=False).indices
+        groups = select_groups(group_maxima(qc, pc, block, table, cfg), kg)
         candidates, ids = _refine(qc, pc, groups, block, table, cfg.block_n)
-        best, pos = torch.topk(candidates, min(k, candidates.shape[1]), dim=1)
-        parts.append((best, ids.gather(1, pos)))
+        parts.append(final_topk(candidates, ids, k))
     values, rows = parts[0] if len(parts) == 1 else (torch.cat([v for v, _ in parts]), torch.cat([r for _, r in parts]))
     return _pad(values, rows, k)
 
@@ -350,7 +380,8 @@ def clear_graphs() -> None:
 def _graph_key(q: torch.Tensor, p: torch.Tensor | None, block: CodeBlock, table: CodeTable, k: int, cfg: TileConfig) -> tuple:
     tensors = (block.packed, block.scale, block.bias, block.signs, block.sign_scale, table.levels)
     described = tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors)
-    return (q.device, tuple(q.shape), None if p is None else tuple(p.shape), k, cfg, table.layout) + described
+    return (q.device, tuple(q.shape), None if p is None else tuple(p.shape), k, cfg, table.layout,
+            USE_TRITON_TOPK) + described
 
 
 def _graph_search(

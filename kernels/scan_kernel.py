@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .unpack import nibble_values, pair_lut_values, segment_matvec, segment_values
+from .unpack import pair_lut_values, segment_matvec, segment_values
 
 
 @triton.jit
@@ -49,44 +49,13 @@ def _dot(acc, q, v, PRECISION: tl.constexpr, ROWS_AS_M: tl.constexpr):
 
 
 @triton.jit
-def _query_channels(q_ptr, stride_q, offs_q, q_mask, first, step: tl.constexpr, dim, WIDTH: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Queries ``(BLOCK_Q, WIDTH)`` at channels ``first + step·i`` (zero at or past ``dim``) in ``DOT_DTYPE``."""
-    channel = first + step * tl.arange(0, WIDTH)
-    q = tl.load(q_ptr + offs_q[:, None] * stride_q + channel[None, :],
-                mask=q_mask[:, None] & (channel < dim)[None, :], other=0.0)
-    return q.to(DOT_DTYPE)
-
-
-@triton.jit
-def _nibble_dot(
-    acc, q_even, q_odd, row_ptrs, row_mask, BYTE: tl.constexpr, b0, NBYTES: tl.constexpr, ASM_LO: tl.constexpr,
-    ASM_HI: tl.constexpr, HALF: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ROWS_AS_M: tl.constexpr,
-):
-    """``acc`` + the dot of bytes ``b0 .. b0 + HALF`` of a 4-bit segment: low nibbles (even channels) against
-    ``q_even``, high nibbles (odd channels) against ``q_odd``; levels decoded by PTX byte permutes."""
-    lo = nibble_values(row_ptrs, row_mask, BYTE, b0, NBYTES, ASM_LO, HALF).to(DOT_DTYPE)
-    acc = _dot(acc, q_even, lo, PRECISION, ROWS_AS_M)
-    hi = nibble_values(row_ptrs, row_mask, BYTE, b0, NBYTES, ASM_HI, HALF).to(DOT_DTYPE)
-    return _dot(acc, q_odd, hi, PRECISION, ROWS_AS_M)
-
-
-@triton.jit
 def _segment_dot(
     acc, q_ptr, stride_q, offs_q, q_mask, row_ptrs, row_mask, levels_ptr, lut_ptr,
     CH: tl.constexpr, DIM: tl.constexpr, BITS: tl.constexpr, NBYTES: tl.constexpr, BYTE: tl.constexpr,
     SIGNS: tl.constexpr, PAIR_LUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ROWS_AS_M: tl.constexpr,
-    ASM_LO: tl.constexpr = "", ASM_HI: tl.constexpr = "",
 ):
-    """``acc`` + queries[:, CH:CH+DIM] · decoded segment, ``BLOCK_D`` channels per step (with ``ASM_LO`` /
-    ``ASM_HI``, a 4-bit segment read as low and high nibbles, see :func:`_nibble_dot`)."""
-    if ASM_LO != "":
-        for d0 in range(0, DIM, BLOCK_D):
-            q_even = _query_channels(q_ptr, stride_q, offs_q, q_mask, CH + d0, 2, CH + DIM, BLOCK_D // 2, DOT_DTYPE)
-            q_odd = _query_channels(q_ptr, stride_q, offs_q, q_mask, CH + d0 + 1, 2, CH + DIM, BLOCK_D // 2, DOT_DTYPE)
-            acc = _nibble_dot(acc, q_even, q_odd, row_ptrs, row_mask, BYTE, d0 // 2, NBYTES, ASM_LO, ASM_HI,
-                              BLOCK_D // 2, DOT_DTYPE, PRECISION, ROWS_AS_M)
-        return acc
+    """``acc`` + queries[:, CH:CH+DIM] · decoded segment, ``BLOCK_D`` channels per step."""
     for d0 in range(0, DIM, BLOCK_D):
         channel = d0 + tl.arange(0, BLOCK_D)
         q = tl.load(q_ptr + offs_q[:, None] * stride_q + (CH + channel)[None, :],
@@ -159,8 +128,6 @@ def tile_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
     Q_RESIDENT: tl.constexpr, PAIR_LUT: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ROWS_AS_M: tl.constexpr,
-    S0_ASM_LO: tl.constexpr = "", S0_ASM_HI: tl.constexpr = "", S1_ASM_LO: tl.constexpr = "",
-    S1_ASM_HI: tl.constexpr = "",
 ):
     """``TILES`` consecutive tiles of ``BLOCK_N`` rows against one tile of ``BLOCK_Q`` queries.
 
@@ -174,11 +141,10 @@ def tile_kernel(
     pid = tl.program_id(0)
     offs_q = (pid % n_q_tiles) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     q_mask = offs_q < nq
-    if Q_RESIDENT and S0_ASM_LO != "":
-        q_even = _query_channels(q_ptr, stride_q, offs_q, q_mask, S0_CH, 2, S0_CH + S0_DIM, BLOCK_D // 2, DOT_DTYPE)
-        q_odd = _query_channels(q_ptr, stride_q, offs_q, q_mask, S0_CH + 1, 2, S0_CH + S0_DIM, BLOCK_D // 2, DOT_DTYPE)
-    elif Q_RESIDENT:
-        q_tile = _query_channels(q_ptr, stride_q, offs_q, q_mask, S0_CH, 1, S0_CH + S0_DIM, BLOCK_D, DOT_DTYPE)
+    if Q_RESIDENT:
+        channel = tl.arange(0, BLOCK_D)
+        q_tile = tl.load(q_ptr + offs_q[:, None] * stride_q + (S0_CH + channel)[None, :],
+                         mask=q_mask[:, None] & (channel < S0_DIM)[None, :], other=0.0).to(DOT_DTYPE)
     for t in range(TILES):
         tile = (pid // n_q_tiles) * TILES + t
         rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -188,10 +154,7 @@ def tile_kernel(
             acc = tl.zeros((BLOCK_N, BLOCK_Q), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.float32)
-        if Q_RESIDENT and S0_ASM_LO != "":
-            acc = _nibble_dot(acc, q_even, q_odd, row_ptrs, row_mask, S0_BYTE, 0, S0_NBYTES, S0_ASM_LO, S0_ASM_HI,
-                              BLOCK_D // 2, DOT_DTYPE, PRECISION, ROWS_AS_M)
-        elif Q_RESIDENT:
+        if Q_RESIDENT:
             v = _decoded(row_ptrs, row_mask, levels_ptr + S0_ROW * 256, lut_ptr + S0_ROW * 256, 0,
                          S0_DIM, S0_BITS, S0_NBYTES, S0_BYTE, False, PAIR_LUT, BLOCK_N, BLOCK_D, DOT_DTYPE)
             acc = _dot(acc, q_tile, v, PRECISION, ROWS_AS_M)
@@ -200,12 +163,12 @@ def tile_kernel(
                 acc = _segment_dot(acc, q_ptr, stride_q, offs_q, q_mask, row_ptrs, row_mask,
                                    levels_ptr + S0_ROW * 256, lut_ptr + S0_ROW * 256,
                                    S0_CH, S0_DIM, S0_BITS, S0_NBYTES, S0_BYTE, False, PAIR_LUT, BLOCK_N, BLOCK_D,
-                                   DOT_DTYPE, PRECISION, ROWS_AS_M, S0_ASM_LO, S0_ASM_HI)
+                                   DOT_DTYPE, PRECISION, ROWS_AS_M)
             if S1_DIM > 0:
                 acc = _segment_dot(acc, q_ptr, stride_q, offs_q, q_mask, row_ptrs, row_mask,
                                    levels_ptr + S1_ROW * 256, lut_ptr + S1_ROW * 256,
                                    S1_CH, S1_DIM, S1_BITS, S1_NBYTES, S1_BYTE, False, PAIR_LUT, BLOCK_N, BLOCK_D,
-                                   DOT_DTYPE, PRECISION, ROWS_AS_M, S1_ASM_LO, S1_ASM_HI)
+                                   DOT_DTYPE, PRECISION, ROWS_AS_M)
         acc = acc * _row_vector(tl.load(scale_ptr + rows, mask=row_mask, other=0.0), ROWS_AS_M)
         if P_DIM > 0:
             sign_acc = tl.zeros(acc.shape, dtype=tl.float32)

@@ -1,0 +1,139 @@
+"""The Triton top-k kernels (tqvec.kernels.topk) against torch.topk, and the search using them.
+
+Runs on CUDA when present, else through Triton's interpreter (``TRITON_INTERPRET=1``, set here when no
+GPU is visible). The interpreter sorts slowly, so the shapes are small and the kernels' blocks too (16–64
+candidates), which exercises every pass: one program per row, rows split over programs, merged keys,
+several blocks per program.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tqvec import TurboQuantizer, scan  # noqa: E402
+from tqvec.kernels import ops, topk  # noqa: E402
+
+pytestmark = [
+    pytest.mark.usefixtures("single_torch_thread"),
+    pytest.mark.skipif(not (torch.cuda.is_available() or ops.interpreting()),
+                       reason="needs a CUDA GPU or TRITON_INTERPRET=1"),
+]
+
+DEVICE = "cpu" if ops.interpreting() else "cuda"
+
+
+def _values(nq: int, length: int, kind: str, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "ties":  # few distinct values, -inf among them, ±0
+        v = torch.randint(-3, 3, (nq, length), generator=gen).float()
+        v[v == -3] = float("-inf")
+        v[v == -2] = -0.0
+        return v
+    if kind == "inf":  # mostly -inf (the tile kernel's padding), a few finite
+        v = torch.full((nq, length), float("-inf"))
+        v[:, ::7] = torch.randn(nq, (length + 6) // 7, generator=gen)
+        return v
+    return torch.randn(nq, length, generator=gen) * 1e3
+
+
+def _check(got: tuple[torch.Tensor, torch.Tensor], values: torch.Tensor, k: int, ids: torch.Tensor | None) -> None:
+    """Sorted values equal torch.topk's; each id is the id of a candidate holding that value; ties by lower id."""
+    gv, gi = (t.cpu() for t in got)
+    kc = min(k, values.shape[1])
+    rv = torch.topk(values, kc, dim=1).values
+    assert gv.shape == gi.shape == (values.shape[0], kc) and gv.dtype == torch.float32 and gi.dtype == torch.int64
+    assert torch.equal(gv, rv)  # best first, exactly torch's values (ties included)
+    ident = torch.arange(values.shape[1]).expand_as(values) if ids is None else ids
+    for r in range(values.shape[0]):
+        real = [i for i in gi[r].tolist() if i >= 0]  # id -1: padding, at -inf, may repeat
+        assert len(set(real)) == len(real)
+        picked = [(ident[r] == i).nonzero()[0, 0].item() for i in gi[r].tolist()]
+        assert torch.equal(values[r, picked], gv[r])
+        rank = torch.where(gi[r] < 0, 1 << 40, gi[r])
+        for j in range(1, kc):  # equal values: lower id first (-1 last)
+            if gv[r, j] == gv[r, j - 1] and not (gv[r, j] == 0 and torch.signbit(gv[r, j]) != torch.signbit(gv[r, j - 1])):
+                assert rank[j] >= rank[j - 1] if rank[j] == 1 << 40 else rank[j] > rank[j - 1]
+
+
+@pytest.mark.parametrize("nq,length,k,block,kind", [
+    (1, 1, 1, 16, "randn"),          # single candidate
+    (3, 10, 4, 16, "randn"),         # one block, one pass
+    (2, 7, 20, 16, "randn"),         # k > length
+    (5, 300, 18, 32, "randn"),       # rows split over programs, then a merge pass (nq < SMALL_NQ)
+    (9, 200, 10, 16, "ties"),        # many splits, ties, -inf and ±0
+    (2, 130, 9, 16, "inf"),          # mostly -inf
+    (1, 70, 33, 16, "ties"),         # K_PAD (64) above the block (16): the block grows to 2 · K_PAD
+    (4, 100, 2, 16, "randn"),        # smallest K_PAD
+])
+def test_row_topk_matches_torch(nq: int, length: int, k: int, block: int, kind: str) -> None:
+    values = _values(nq, length, kind, seed=length + k)
+    got = topk.row_topk(values.to(DEVICE), k, block=block)
+    _check(got, values, k, None)
+
+
+@pytest.mark.parametrize("nq,length,k,block,kind", [(2, 10, 4, 16, "ties"), (1, 40, 3, 16, "randn")])
+def test_bitonic_selection(monkeypatch: pytest.MonkeyPatch, nq: int, length: int, k: int, block: int, kind: str) -> None:
+    """``tl.topk`` (the GPU's selection; the interpreter otherwise uses max-and-remove), one and two passes."""
+    monkeypatch.setattr(topk, "INTERPRET_BITONIC", True)
+    values = _values(nq, length, kind, seed=5)
+    _check(topk.row_topk(values.to(DEVICE), k, block=block), values, k, None)
+
+
+@pytest.mark.parametrize("nq,length,k,block", [(3, 90, 7, 16), (1, 33, 40, 16), (8, 40, 5, 64)])
+def test_row_topk_with_ids(nq: int, length: int, k: int, block: int) -> None:
+    """Candidates carry row ids (refine's output): -1 for padding at -inf, ties broken by lower row."""
+    values = _values(nq, length, "ties", seed=nq)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.stack([torch.randperm(10 * length, generator=gen)[:length] for _ in range(nq)])
+    ids[:, -3:] = -1
+    values[:, -3:] = float("-inf")
+    got = topk.row_topk(values.to(DEVICE), k, ids.to(DEVICE), block=block)
+    _check(got, values, k, ids)
+    gv, gi = (t.cpu() for t in got)
+    assert bool((gi[torch.isinf(gv) & (gi < 0)] == -1).all())
+
+
+def test_plan_splits_and_serial_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Passes: 8192 groups, 100 queries: 8 programs per query, then one; few queries split more."""
+    assert topk._plan(8192, 100, 1024, 32) == (8, 1)
+    assert topk._plan(8 * 32, 100, 1024, 32) == (1, 1)
+    assert topk._plan(2304, 100, 1024, 16) == (1, 3)
+    assert topk._plan(78125, 100, 1024, 32) == (26, 3)
+    assert topk._plan(312500, 1, 1024, 32) == (102, 3)
+    assert topk._plan(8192, 100, 2048, 1024) == (1, 4)  # splitting would not halve the candidates
+    monkeypatch.setattr(topk, "MAX_K_PAD", 4)
+    assert not topk.supported(5) and topk.supported(4)
+    values = _values(2, 50, "randn", 0)
+    _check(topk.row_topk(values.to(DEVICE), 6, block=16), values, 6, None)  # torch.topk fallback
+
+
+def test_search_uses_kernels_and_matches_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ops.search with the Triton top-k equals the torch.topk path (same candidates), and the reference."""
+    tq = TurboQuantizer(40, 4, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    codes = tq.encode(torch.randn(300, 40, generator=gen))
+    block = tq.code_block(codes.to(DEVICE))
+    rotated, _ = tq.rotate_queries(torch.randn(3, 40, generator=gen))
+    calls = []
+    real = topk.row_topk
+    monkeypatch.setattr(topk, "row_topk", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    got = ops.search(rotated.to(DEVICE), block, tq.table(DEVICE), 5)
+    assert len(calls) == 2  # group selection and final top-k
+    monkeypatch.setattr(ops, "USE_TRITON_TOPK", False)
+    old = ops.search(rotated.to(DEVICE), block, tq.table(DEVICE), 5)
+    assert torch.equal(got[0].cpu(), old[0].cpu()) and torch.equal(got[1].cpu(), old[1].cpu())
+    ref = scan.search(rotated, tq.code_block(codes), tq.table("cpu"), 5)
+    assert torch.allclose(got[0].cpu(), ref[0], rtol=1e-5) and torch.equal(got[1].cpu(), ref[1])
+
+
+def test_select_groups_fewer_groups_than_kg() -> None:
+    """n_groups < k + GROUP_MARGIN: every group is chosen."""
+    gm = _values(2, 5, "randn", 3).to(DEVICE)
+    groups = ops.select_groups(gm, 5)
+    assert sorted(groups[0].tolist()) == sorted(groups[1].tolist()) == [0, 1, 2, 3, 4]
