@@ -72,7 +72,7 @@ def _load_q(q_ptr, g, g_mask, CH: tl.constexpr, DIM: tl.constexpr, PAD: tl.const
     return q.to(tl.float16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "n_splits"])  # n grows by one per decode step: no recompiles
 def split_kernel(
     q_ptr, kp_ptr, ks_ptr, vp_ptr, vs_ptr, k_levels_ptr, v_levels_ptr, valid_ptr,
     m_ptr, l_ptr, acc_ptr,
@@ -182,7 +182,7 @@ def _exact_run(
     return m, l, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_splits", "n_sinks", "n_window", "n_codes"])
 def combine_kernel(
     qx_ptr, m_ptr, l_ptr, acc_ptr, back_ptr, k_mean_ptr, v_mean_ptr,
     sk_ptr, sv_ptr, wk_ptr, wv_ptr, valid_ptr, out_ptr,
