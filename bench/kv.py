@@ -3,13 +3,17 @@
 For each text (stdlib ``pydoc_data.topics``; the KJV verses) and each cache — full precision
 (``DynamicCache``), ``TurboQuantCache`` at bits × key mode, transformers' ``QuantizedCache`` (quanto) —
 measure chunked teacher-forced perplexity, KL(full ‖ cache) and top-1 agreement (protocol:
-:mod:`tqvec.kv.evaluate`), passkey retrieval at several context lengths, and stored bytes per token
-(all layers, keys + values, for tokens held in compressed form). Writes ``kv.json`` and ``kv.md``.
+:mod:`tqvec.kv.evaluate`), and stored bytes per token (all layers, keys + values, for tokens held in
+compressed form). Passkey retrieval: seeded trials (context lengths × depths × random 5-digit keys),
+each prefilled once and answered by every cache (a prefill attends exactly in every cache here, so the
+prefill is shared), reported as hits per length and paired against the full cache (trials one cache
+answers and the other misses), with each trial's key margin. Writes ``kv.json`` and ``kv.md``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import sys
 import time
@@ -36,9 +40,19 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--quanto-bits", type=int, nargs="*", default=[2, 4])
     p.add_argument("--passkey-lengths", type=int, nargs="*", default=[1024, 2048, 4096])
-    p.add_argument("--passkey-depths", type=float, nargs="*", default=[0.25, 0.6])
+    p.add_argument("--passkey-depths", type=float, nargs="*", default=[0.2, 0.4, 0.6, 0.8])
+    p.add_argument("--passkey-keys", type=int, default=2, help="random keys per (length, depth)")
+    p.add_argument("--passkey-seed", type=int, default=0)
+    p.add_argument("--passkey-key-modes", nargs="*", default=["mse"], choices=["mse", "prod"],
+                   help="tqvec key modes that also run the passkey trials")
+    p.add_argument("--passkey-control-bits", type=float, nargs="*", default=[8],
+                   help="extra near-lossless tqvec caches (passkey only): how often a tiny perturbation flips a trial")
+    p.add_argument("--passkey-no-rescale-bits", type=float, nargs="*", default=[4],
+                   help="extra tqvec caches without key rescaling (passkey only; the default before it)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--render", type=Path, default=None, metavar="KV_JSON",
+                   help="measure nothing: rewrite kv.md (beside KV_JSON) from a saved kv.json")
     return p.parse_args(argv)
 
 
@@ -95,51 +109,138 @@ def _quality(args, model, tokenizer, configs, log) -> dict[str, dict[str, dict[s
     return results
 
 
-def _passkey(args, model, tokenizer, configs, log) -> dict[str, dict[str, float]]:
-    hits: dict[str, dict[str, int]] = {name: {} for name in configs}
-    for length in args.passkey_lengths:
-        for i, depth in enumerate(args.passkey_depths):
-            key = 10007 + (7919 * (i + 3 * length)) % 89989
-            context, question = ev.passkey_prompt(tokenizer, length, depth, key)
-            prefix = ev.Prefix.run(model, context)
-            for name, (make, _) in configs.items():
-                answer = ev.passkey_answer(model, tokenizer, prefix, question, make)
-                hits[name][str(length)] = hits[name].get(str(length), 0) + (str(key) in answer)
-            log(f"passkey {length} depth {depth}: " + ", ".join(f"{n}={hits[n][str(length)]}" for n in configs))
-    trials = len(args.passkey_depths)
-    return {name: {length: n / trials for length, n in per.items()} for name, per in hits.items()}
+def _sign_test(lost: int, won: int) -> float:
+    """One-sided exact sign (McNemar) test: P(≥ ``lost`` of ``lost + won`` discordant trials go against the cache)."""
+    n = lost + won
+    return sum(math.comb(n, i) for i in range(lost, n + 1)) / 2 ** n if n else 1.0
 
 
-def _markdown(args, results, passkey, command: str, seconds: float) -> str:
+def _passkey(args, model, tokenizer, configs, log) -> dict:
+    """Every passkey trial answered by every config: hits, margins, answers, and the paired summary."""
+    cfg = model.config
+    names = [n for n in configs if not n.startswith("tqvec") or n.split("K-")[-1] in args.passkey_key_modes]
+    makers = {n: configs[n][0] for n in names}
+    for bits in args.passkey_control_bits:
+        makers[f"tqvec {bits:g}b K-mse (control)"] = lambda b=bits: TurboQuantCache(cfg, key_bits=b, value_bits=b, window=args.window)
+    for bits in args.passkey_no_rescale_bits:
+        makers[f"tqvec {bits:g}b K-mse, no key rescale"] = lambda b=bits: TurboQuantCache(
+            cfg, key_bits=b, value_bits=b, window=args.window, key_rescale=False)
+    trials = ev.passkey_trials(args.passkey_lengths, args.passkey_depths, args.passkey_keys, args.passkey_seed)
+    per = {n: {"hit": [], "margin": [], "answer": []} for n in makers}
+    seconds: dict[str, list[float]] = {}
+    for i, trial in enumerate(trials):
+        t0 = time.time()
+        context, question = ev.passkey_prompt(tokenizer, trial.length, trial.depth, trial.key)
+        prefix = ev.Prefix.run(model, context)
+        for name, make in makers.items():
+            answer, margin = ev.passkey_decode(model, tokenizer, prefix, question, make, trial.key)
+            per[name]["hit"].append(margin > 0)
+            per[name]["margin"].append(round(margin, 4))
+            per[name]["answer"].append(answer)
+        seconds.setdefault(str(trial.length), []).append(time.time() - t0)
+        log(f"passkey {i + 1}/{len(trials)} len {trial.length} depth {trial.depth} key {trial.key} "
+            f"({seconds[str(trial.length)][-1]:.0f}s): " + " ".join(f"{n.removeprefix('tqvec ')}={per[n]['margin'][-1]:+.2f}" for n in makers))
+    full = per["full (fp16 equiv.)"]["hit"]
+    summary = {}
+    for name, r in per.items():
+        lost = sum(f and not h for f, h in zip(full, r["hit"]))
+        won = sum(h and not f for f, h in zip(full, r["hit"]))
+        by_length = {str(n): sum(h for h, t in zip(r["hit"], trials) if t.length == n) for n in args.passkey_lengths}
+        summary[name] = {"hits": sum(r["hit"]), "trials": len(trials), "by_length": by_length, "lost": lost, "won": won,
+                         "agreement": 1 - (lost + won) / len(trials), "p_worse": _sign_test(lost, won)}
+    return {"trials": [vars(t) for t in trials], "per_config": per, "summary": summary,
+            "seconds_per_trial": {n: sum(v) / len(v) for n, v in seconds.items()}}
+
+
+UNCHANGED_AGREEMENT = 0.95  # same answer as the full cache on at least this fraction of the paired trials
+UNCHANGED_P = 0.05  # ... and no significant excess of losses over wins (one-sided exact sign test)
+DECISIVE = 0.5  # nats: trials whose full-cache margin is at least this far from 0 ("decisive" trials)
+
+
+def passkey_verdict(row: dict) -> str:
+    """"unchanged" when ``row`` (a passkey summary) meets both criteria above, else "changed"."""
+    ok = row["agreement"] >= UNCHANGED_AGREEMENT and row["p_worse"] >= UNCHANGED_P
+    return "unchanged" if ok else "changed"
+
+
+def _passkey_markdown(args, passkey) -> list[str]:
+    lengths = [str(n) for n in args.passkey_lengths]
+    per_length = len(args.passkey_depths) * args.passkey_keys
+    full_margins = passkey["per_config"]["full (fp16 equiv.)"]["margin"]
+    decisive = [abs(m) >= DECISIVE for m in full_margins]
+    head = ["cache", *[f"hits {n}" for n in lengths], "hits", "lost vs full", "won vs full", "same answer",
+            "p (worse)", f"flips, decisive ({sum(decisive)})", "median margin", "mean abs Δmargin", "verdict"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, r in passkey["summary"].items():
+        margins = sorted(passkey["per_config"][name]["margin"])
+        median = margins[len(margins) // 2] if len(margins) % 2 else (margins[len(margins) // 2 - 1] + margins[len(margins) // 2]) / 2
+        mine = passkey["per_config"][name]["margin"]
+        flips = sum(d and (a > 0) != (m > 0) for d, a, m in zip(decisive, full_margins, mine))
+        shift = sum(abs(a - m) for a, m in zip(full_margins, mine)) / len(mine)
+        row = [name, *[f"{r['by_length'][n]}/{per_length}" for n in lengths], f"{r['hits']}/{r['trials']}",
+               str(r["lost"]), str(r["won"]), f"{r['agreement']:.3f}", f"{r['p_worse']:.3f}", str(flips),
+               f"{median:+.2f}", f"{shift:.2f}", "—" if name.startswith("full") else passkey_verdict(r)]
+        lines.append("| " + " | ".join(row) + " |")
+    secs = ", ".join(f"{n}: {v:.0f} s" for n, v in passkey["seconds_per_trial"].items())
+    return [
+        "## Passkey retrieval", "",
+        f"{len(passkey['trials'])} trials: context lengths {args.passkey_lengths} × depths {args.passkey_depths} × "
+        f"{args.passkey_keys} random 5-digit keys (seed {args.passkey_seed}); each trial prefilled once (exact attention "
+        "in every cache) and answered by every cache, greedily, reading the compressed cache. Hit: greedy decoding "
+        "emits the key's six tokens (a space, five digits) right after the question. Margin: the smallest "
+        "log p(key token) − log p(best other token) along the key; positive iff hit. Paired against the full cache: "
+        "lost = trials the full cache answers and this cache misses, won = the reverse; p (worse): one-sided exact "
+        "sign test of lost against won. Verdict **unchanged**: the same answer as the full cache on ≥ "
+        f"{UNCHANGED_AGREEMENT:.0%} of the trials and p (worse) ≥ {UNCHANGED_P} (a systematic loss fails the test, "
+        "a stray flip on a trial the full cache itself barely answers does not). Flips, decisive: changed answers "
+        f"on the trials whose full-cache margin is at least {DECISIVE} nats from 0 (count in the header); mean abs "
+        "Δmargin: mean |margin − full cache's margin| over all trials, a continuous measure of the perturbation. "
+        "The control row (8 bits, "
+        "passkey only) shows how often a near-lossless perturbation flips a trial; the no-key-rescale rows (passkey "
+        "only) are the default before key rescaling (quality figures of those in the git history). Mean seconds per trial "
+        f"(prefill + all caches): {secs}.", "",
+        *lines, ""]
+
+
+def _markdown(args, results, passkey, command: str, seconds: float, rendered: str = "") -> str:
     full = results["full (fp16 equiv.)"]
     head = ["cache", "bytes/token"]
     for t in args.texts:
         head += [f"{t} ppl", f"{t} Δppl", f"{t} KL", f"{t} top-1"]
-    head += [f"passkey {n}" for n in args.passkey_lengths]
+    head += ["passkey hits"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    summary = passkey["summary"]
     for name, per_text in results.items():
         row = [name, f"{next(iter(per_text.values()))['bytes_per_token']:.0f}"]
         for t in args.texts:
             r = per_text[t]
             row += [f"{r['ppl']:.3f}", f"{100 * (r['ppl'] / full[t]['ppl'] - 1):+.2f}%", f"{r['kl']:.4f}", f"{r['top1']:.3f}"]
-        row += [f"{passkey.get(name, {}).get(str(n), float('nan')):.2f}" for n in args.passkey_lengths]
+        row += [f"{summary[name]['hits']}/{summary[name]['trials']}" if name in summary else "—"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join([
         "# KV cache quality: SmolLM2-135M-Instruct (Q4_1 weights, float32 compute), CPU", "",
-        f"Command: `{command}` ({seconds / 60:.1f} min).", "",
+        f"Command: `{command}` ({seconds / 60:.1f} min).{rendered}", "",
         f"Texts: {', '.join(args.texts)}; {args.tokens} tokens each: prefill {args.prefill} (exact attention), then "
-        f"chunks of {args.chunk} tokens that read the cache; window {args.window} exact tokens for tqvec and "
-        "QuantizedCache (its residual_length). Δppl, KL(full ‖ cache) and top-1 agreement against the "
-        "full-precision cache on the same tokens. bytes/token: stored bytes per compressed token, all 30 layers, "
-        "keys + values (full: what fp16 would take; the model here runs float32). tqvec values always mse; "
-        "fractional bits: outlier channels by magnitude (tqvec.kv.codec). Passkey: fraction of "
-        f"{len(args.passkey_depths)} depths {args.passkey_depths} retrieved per context length.", "",
-        *lines, ""])
+        f"chunks of {args.chunk} tokens that read the cache; window {args.window} exact tokens for tqvec; "
+        "QuantizedCache's residual_length is set to the same, but it quantizes the whole prefill at once "
+        "(its window only holds tokens added after the prefill). Δppl, KL(full ‖ cache) and top-1 agreement "
+        "against the full-precision cache on the same tokens. bytes/token: stored bytes per compressed token, all 30 "
+        "layers, keys + values (full: what fp16 would take; the model here runs float32). tqvec values always mse; "
+        "mse keys rescaled (TurboQuantCache's default key_rescale); "
+        "fractional bits: outlier channels by magnitude (tqvec.kv.codec). Passkey hits: see below (— : not run).", "",
+        *lines, "", *_passkey_markdown(args, passkey)])
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run the KV-cache benchmark and write ``kv.json`` / ``kv.md`` under ``--out``."""
     args = _args(argv)
+    if args.render is not None:
+        saved = json.loads(args.render.read_text())
+        run_args = _args(shlex.split(saved["command"])[3:])
+        (args.render.parent / "kv.md").write_text(
+            _markdown(run_args, saved["quality"], saved["passkey"], saved["command"], saved["seconds"],
+                      f" This file: rendered from kv.json by `tqvec bench kv --render {args.render}`."))
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.time()

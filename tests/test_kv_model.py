@@ -2,14 +2,20 @@
 left-padded batches, crop, and memory accounting.
 
 Quality tolerances (pydoc text, prefill 512 + 256 tokens read in chunks of 32, window 128, 4 sinks):
-the benchmark (bench/results/kv.md: 512 + 512 tokens per text) measured perplexity +0.17% (pydoc) /
-−0.39% (KJV) at 4 bits and +0.64% / −0.19% at 3.5 bits, KL 0.0033 / 0.0086 and 0.0068 / 0.0242 nats,
-top-1 agreement 0.965 / 0.949 and 0.971 / 0.938. The asserted bounds are the issue's acceptance
+the benchmark (bench/results/kv.md: 512 + 512 tokens per text) measured perplexity +0.34% (pydoc) /
++0.65% (KJV) at 4 bits and +0.12% / +0.11% at 3.5 bits, KL 0.0024 / 0.0077 and 0.0040 / 0.0161 nats,
+top-1 agreement 0.971 / 0.957 and 0.971 / 0.941. The asserted bounds are the issue's acceptance
 targets for perplexity (4 bits: 1%, 3.5 bits: 3%) and KL / top-1 bounds with about 2× headroom over
 the measured gaps (fewer tokens here, so more sampling noise). They have teeth: a 2-bit cache without
 the exact window (perplexity +6…13% in the benchmark even with the window) is asserted to fail them.
-Passkey: one needle (depth 0.4, 1,024 tokens) that the full cache, 4 and 3.5 bits all retrieve; the
-benchmark's other needles show retrieval on this 135M model is knife-edge (see kv.md).
+Passkey (PASSKEY_TRIALS: 1,024 tokens, depths 0.2 / 0.5 / 0.8, two seeded keys each): each trial is
+prefilled once and answered by the full cache and by 4- and 3.5-bit caches. Asserted: the same answer
+(retrieved or not) as the full cache on at least 5 of the 6 trials. Measured when written: the full
+cache retrieved all 6 with key margins +0.16…+0.98 nats, 4 and 3.5 bits all 6 (margins +0.19…+1.26 and
++0.07…+0.96); one flip is allowed because the full cache's own margin is as small as 0.16 nats on some
+trials (the benchmark's 8-bit control shows how often a near-lossless cache flips such a trial). The
+bound has teeth: 3-bit keys without rescaling (the default before key rescaling; margins about −2 nats
+at 1,024 tokens in a pilot) are asserted to fail it. The benchmark's 24-trial paired comparison: kv.md.
 """
 from __future__ import annotations
 
@@ -33,6 +39,8 @@ TOLERANCES = {  # bits: (max ppl ratio, max KL nats, min top-1 agreement)
     4: (1.01, 0.02, 0.93),
     3.5: (1.03, 0.05, 0.90),
 }
+PASSKEY_TRIALS = ev.passkey_trials([1024], [0.2, 0.5, 0.8], keys_per_depth=2, seed=7)
+PASSKEY_MIN_AGREEMENT = 5  # of the 6 trials: the same answer as the full cache
 
 
 @pytest.fixture(scope="module")
@@ -86,14 +94,42 @@ def test_quality_bounds_can_fail(lm, pydoc) -> None:
     assert got["ppl"] / full["ppl"] > max_ratio or got["kl"] > max_kl or got["top1"] < min_top1
 
 
-def test_passkey_retrieved_at_4_and_3_5_bits(lm) -> None:
+@pytest.fixture(scope="module")
+def passkeys(lm):
+    """Per trial: (prefix, question, key) and the full cache's hit."""
     model, tokenizer = lm
-    context, question = ev.passkey_prompt(tokenizer, 1024, depth=0.4, key=68231)
-    prefix = ev.Prefix.run(model, context)
-    for make in (lambda: DynamicCache(config=model.config),
-                 lambda: TurboQuantCache(model.config, key_bits=4, value_bits=4),
-                 lambda: TurboQuantCache(model.config, key_bits=3.5, value_bits=3.5)):
-        assert "68231" in ev.passkey_answer(model, tokenizer, prefix, question, make)
+    out = []
+    for trial in PASSKEY_TRIALS:
+        context, question = ev.passkey_prompt(tokenizer, trial.length, trial.depth, trial.key)
+        prefix = ev.Prefix.run(model, context)
+        _, margin = ev.passkey_decode(model, tokenizer, prefix, question, lambda: DynamicCache(config=model.config), trial.key)
+        out.append((prefix, question, trial.key, margin > 0))
+    return out
+
+
+def _passkey_agreement(lm, passkeys, make) -> tuple[int, list[tuple[int, bool, bool]]]:
+    model, tokenizer = lm
+    rows = []
+    for prefix, question, key, full_hit in passkeys:
+        _, margin = ev.passkey_decode(model, tokenizer, prefix, question, make, key)
+        rows.append((key, full_hit, margin > 0))
+    return sum(full == hit for _, full, hit in rows), rows
+
+
+@pytest.mark.parametrize("bits", [4, 3.5])
+def test_passkey_agrees_with_full_cache(lm, passkeys, bits: float) -> None:
+    model, _ = lm
+    assert sum(hit for *_, hit in passkeys) >= PASSKEY_MIN_AGREEMENT  # the trials are answerable at all
+    agree, rows = _passkey_agreement(lm, passkeys, lambda: TurboQuantCache(model.config, key_bits=bits, value_bits=bits))
+    assert agree >= PASSKEY_MIN_AGREEMENT, rows
+
+
+def test_passkey_bound_can_fail(lm, passkeys) -> None:
+    """3-bit keys without rescaling (the old default) lose the needles the full cache finds."""
+    model, _ = lm
+    agree, rows = _passkey_agreement(
+        lm, passkeys, lambda: TurboQuantCache(model.config, key_bits=3, value_bits=3, key_rescale=False))
+    assert agree < PASSKEY_MIN_AGREEMENT, rows
 
 
 def test_left_padded_batch_matches_dynamic_cache(lm) -> None:
@@ -123,7 +159,9 @@ def test_crop_then_refeed_matches_full_cache(lm) -> None:
         logits = model(input_ids=ids[:, 260:], cache=cache).logits[0, -1]
     assert cache.get_seq_length() == 300
     assert int(logits.argmax()) == int(full.argmax())
-    assert (logits - full).abs().max() < 0.1
+    # 8-bit codes of 256 tokens: measured max |Δlogit| 0.095 (plain mse keys) / 0.106 (rescaled keys, the
+    # default); a crop that lost or misplaced tokens changes the logits by whole units
+    assert (logits - full).abs().max() < 0.15
 
 
 def test_memory_accounting_shows_compressed_size(lm) -> None:

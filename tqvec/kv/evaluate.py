@@ -8,7 +8,11 @@ Protocol (shared by ``bench/kv.py`` and the tests):
   agreement compare those distributions with the full-precision cache's on the same tokens.
 * **Passkey**: a filler haystack with "The pass key is NNNNN" at a given depth, prefilled in one call;
   the question is then fed as a separate call (reading the compressed cache) and the answer decoded
-  greedily, one token per call. Retrieved = the key's digits appear in the answer.
+  greedily, one token per call. :func:`passkey_decode` (the benchmark and tests): retrieved = greedy
+  decoding emits the key's tokens right after the question, with the key's log-prob margin (how close
+  the decision was); :func:`passkey_answer`: the free-running answer text. :func:`passkey_trials` draws
+  seeded trials (lengths × depths × random keys) so that a cache can be paired with the full cache
+  trial by trial.
 
 Prefills do not depend on the cache under test (a prefill attends exactly over its own tokens), so
 :class:`Prefix` runs a prefill once with a ``DynamicCache`` and :meth:`Prefix.fill` replays its keys
@@ -121,14 +125,61 @@ def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: int) -> tuple[to
     return context, question
 
 
+@dataclass(frozen=True)
+class PasskeyTrial:
+    """One passkey needle: context length (tokens), relative depth and the 5-digit key."""
+
+    length: int
+    depth: float
+    key: int
+
+
+def passkey_trials(lengths, depths, keys_per_depth: int, seed: int = 0) -> list[PasskeyTrial]:
+    """``len(depths) × keys_per_depth`` trials per length, keys uniform in [10000, 99999] from ``seed``."""
+    rng = torch.Generator().manual_seed(seed)
+    trials = []
+    for length in lengths:
+        for depth in depths:
+            for _ in range(keys_per_depth):
+                trials.append(PasskeyTrial(int(length), float(depth), int(torch.randint(10000, 100000, (1,), generator=rng))))
+    return trials
+
+
+@torch.no_grad()
+def passkey_decode(model, tokenizer, prefix: Prefix, question: torch.Tensor, make_cache: CacheFactory,
+                   key: int) -> tuple[str, float]:
+    """Greedy answer after the question (reading a cache filled from ``prefix``) and the key's margin.
+
+    Decodes the key's tokens ``k`` (" NNNNN": a space and one token per digit) greedily and stops at the
+    first step where greedy leaves them. The margin is ``min_j (log p(k_j) − max_{t ≠ k_j} log p(t))``
+    over the steps decoded: positive iff greedy decoding emits the key right after the question,
+    negative otherwise (by how many nats the key lost at the step that decided it).
+    """
+    expected = tokenizer(f" {key}", add_special_tokens=False).input_ids
+    cache = prefix.fill(make_cache())
+    logits = model(input_ids=question, cache=cache, use_cache=True).logits[:, -1]
+    out, margin = [], float("inf")
+    for step, want in enumerate(expected):
+        lp = torch.log_softmax(logits[0].float(), dim=-1)
+        best_other = torch.cat([lp[:want], lp[want + 1:]]).max()
+        margin = min(margin, float(lp[want] - best_other))
+        token = int(lp.argmax())
+        out.append(token)
+        if token != want or step + 1 == len(expected):
+            break
+        logits = model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True).logits[:, -1]
+    return tokenizer.decode(out), margin
+
+
 @torch.no_grad()
 def passkey_answer(model, tokenizer, prefix: Prefix, question: torch.Tensor, make_cache: CacheFactory, new_tokens: int = 8) -> str:
     """Greedy answer text after the question, reading a cache filled from ``prefix``."""
     cache = prefix.fill(make_cache())
     logits = model(input_ids=question, cache=cache, use_cache=True).logits[:, -1]
     out = []
-    for _ in range(new_tokens):
+    for step in range(new_tokens):
         token = logits.argmax(-1, keepdim=True)
         out.append(int(token))
-        logits = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1]
+        if step + 1 < new_tokens:
+            logits = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1]
     return tokenizer.decode(out)
