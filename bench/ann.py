@@ -78,6 +78,10 @@ class Method:
 def tqvec_method(name: str, family: str, bits: float, dim: int, metric: str, rerank: int | None = None,
                  note: str = "", **kwargs: Any) -> Method:
     budget = kwargs.pop("budget", bits)
+    if "correction" not in kwargs and rerank is None and kwargs.get("mode", "mse") == "mse":
+        probe = Index(dim, budget, metric=metric, **kwargs)  # what "auto" resolves to, for the note
+        tail = f", bias in {probe.tail_bits} padding bits" if probe.tail_bits else ""
+        note = "; ".join(filter(None, [note, f"auto: correction={probe.correction}{tail}"]))
 
     def build(train: np.ndarray) -> Index:
         index = Index(dim, budget, metric=metric, **kwargs)

@@ -22,15 +22,15 @@ def _data(n: int = 3000, d: int = 32, seed: int = 0) -> np.ndarray:
 def _brute_force(index: Index, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The index's estimator computed from decoded vectors, independently of the blockwise scan."""
     rows = index._rows.view()
-    codes = index._codes(rows.tensors)
-    decoded = index.quantizer.decode(codes).double()  # x̂ − c, with the stored scale
+    codes, bias = index._side(rows.tensors)  # stored side fields, or derived from the tail code
+    decoded = index.quantizer.decode(codes).double()  # x̂ − c, with the stored (or derived) scale
     qt = torch.from_numpy(q).double()
     if index.metric == "cosine":
         qt = torch.nn.functional.normalize(qt, dim=1)
     c = torch.zeros(index.dim, dtype=torch.float64) if index._center is None else index._center.double()
     scores = (qt - c) @ decoded.T + (qt @ c - c @ c)[:, None]
-    if "bias" in rows.tensors:
-        scores += rows.tensors["bias"].double()
+    if bias is not None:
+        scores += bias.double()
     if index.metric == "l2":
         dist = (qt * qt).sum(1, keepdim=True) - 2 * scores
         order = torch.argsort(dist, dim=1)[:, :k]
@@ -274,7 +274,15 @@ def test_concurrent_searches_and_writers_see_consistent_snapshots() -> None:
 
 def test_auto_correction_choice_follows_budget() -> None:
     assert Index(384, 1, metric="cosine").correction == "center"  # 4 B of 48
-    assert Index(50, 1, metric="cosine").correction == "none"  # 4 B of 7, and below 2 bits
+    assert Index(384, 1, metric="cosine").tail_bits == 0  # float16 scale and bias beside the codes
+    # 4 B of 7, below 2 bits: 50 one-bit codes fill 7 bytes with 6 padding bits, which carry the bias
+    one_bit = Index(50, 1, metric="cosine")
+    assert (one_bit.correction, one_bit.tail_bits, one_bit.side_fields) == ("center", 6, {})
+    assert one_bit.quantizer.layout.segments == ((50, 1),) and one_bit.code_bytes_per_vector == 7
+    assert Index(64, 1, metric="cosine").correction == "none"  # 64 one-bit codes leave no padding
+    assert Index(50, 1, metric="cosine", rotation="hadamard").correction == "none"  # 64 channels
+    assert Index(50, 1.5, metric="cosine").tail_bits == 6  # ((24, 2), (26, 1)) in 10 bytes
+    assert Index(50, 2, metric="cosine", correction="center").tail_bits == 0  # from 2 bits on: side fields
     assert Index(50, 2, metric="cosine").correction == "rescale"  # 1 B uint8 scale of 13
     assert Index(50, 4, metric="cosine").correction == "rescale"  # center: 4 B of 25 > 10%
     assert Index(50, 8, metric="cosine").correction == "center"  # 4 B of 50
@@ -327,3 +335,85 @@ def test_set_center_freezes_an_explicit_center() -> None:
         Index(32, 8, correction="rescale").set_center(np.zeros(32, np.float32))
     with pytest.raises(ValueError, match="dimension 31, expected 32"):
         Index(32, 8, correction="center").set_center(np.zeros(31, np.float32))
+
+
+def test_centering_in_the_padding_beats_plain_turboquant_on_glove(glove50: np.ndarray) -> None:
+    """GloVe at 1 bit (7 bytes): centering with the bias in the padding bits against plain TurboQuant, same seed.
+
+    On this 9,800-row subset (200 queries) the gain measured +0.06 to +0.10 recall@10 over seeds 0-4, with a
+    paired standard error of about 0.011; asserting a gain of at least 3 standard errors (computed here)
+    leaves more than 2 standard errors of margin at seed 0 (+0.095)."""
+    base, queries = glove50[:-200], glove50[-200:]
+    truth = np.argsort(-(queries @ base.T), axis=1)[:, :10]
+    per_query = {}
+    for correction in ("auto", "none"):
+        index = Index(50, 1, metric="cosine", seed=0, correction=correction)
+        index.add(base)
+        assert index.code_bytes_per_vector == 7
+        _, I = index.search(queries, 10)
+        per_query[correction] = np.array([len(set(f) & set(t)) / 10 for f, t in zip(I, truth)])
+    gain = per_query["auto"] - per_query["none"]
+    standard_error = gain.std(ddof=1) / np.sqrt(len(gain))
+    assert gain.mean() >= 3 * standard_error, (gain.mean(), standard_error)
+
+
+def test_tail_code_side_information_round_trip(tmp_path) -> None:
+    """The bias decodes within half a step of ⟨c, x⟩, the derived scale matches ‖x − c‖ / ‖ŷ‖, and remove,
+    reconstruct, score, rerank and save/load work on an index that keeps its bias in the padding."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((600, 50)).astype(np.float32) + 0.3  # a clear mean direction
+    xn = x / np.linalg.norm(x, axis=1, keepdims=True)
+    index = Index(50, 1, metric="cosine", rerank_bits=8, seed=3)
+    assert index.tail_bits == 6
+    index.add(x, ids=np.arange(600) + 10)
+    c = torch.from_numpy(index.center).double()
+    codes, bias = index._side(index._rows.view().tensors)
+    exact = torch.from_numpy(xn).double() @ c
+    step = 2 * float(c.norm()) / 63
+    assert float((bias.double() - exact).abs().max()) <= step / 2 + 1e-5
+    ynorm = index.quantizer.code_norms(codes.packed).double()
+    distance = (torch.from_numpy(xn).double() - c).norm(dim=1)
+    assert torch.allclose(codes.scales.double() * ynorm, distance, atol=step)  # ‖x − c‖ from the coded bias
+    q = rng.standard_normal((5, 50)).astype(np.float32)
+    D, I = index.search(q, 5)
+    assert np.allclose(index.score(q, I[0])[0], D[0], atol=1e-5)
+    assert index.search(q, 5, rerank=4)[1].shape == (5, 5)
+    rec = index.reconstruct([10, 11])
+    assert np.all(np.sum(rec * xn[:2], axis=1) > 0.5)  # 1-bit codes: coarse, but pointing the right way
+    index.remove([10, 12])
+    path = tmp_path / "tail.tqv"
+    index.save(path)
+    loaded = Index.load(path)
+    assert loaded.tail_bits == 6 and len(loaded) == 598
+    assert torch.equal(loaded._rows.view().tensors["packed"], index._rows.view().tensors["packed"])
+    assert all(np.array_equal(a, b) for a, b in zip(index.search(q, 7), loaded.search(q, 7)))
+
+
+def test_tail_code_bad_files_and_input(tmp_path) -> None:
+    """A version-1 file of a configuration that now keeps its bias in the padding, or a header whose tail_bits
+    disagree, is rejected with a clear error; a zero center gives zero bias (no division by ‖c‖ = 0)."""
+    import json
+    from tqvec import index as index_module
+
+    x = _data(100, 50)
+    index = Index(50, 1, metric="cosine")
+    index.add(x)
+    path = tmp_path / "t.tqv"
+    for version, tail_bits, message in ((1, 6, "version 1"), (2, 4, "tail_bits")):
+        config = {**index._config(), "version": version, "tail_bits": tail_bits}
+        arrays = {name: t.numpy() for name, t in index._rows.view().tensors.items()}
+        storage.save_arrays(path, index_module.FILE_KIND, config, {**arrays, "ids": index._rows.view().ids,
+                                                                    "center": index.center})
+        with pytest.raises(storage.StorageError, match=message):
+            Index.load(path)
+    plain = Index(32, 4)  # version-1 files of other configurations still load
+    plain.add(_data(20, 32))
+    storage.save_arrays(path, index_module.FILE_KIND, {**plain._config(), "version": 1},
+                        {**{k: t.numpy() for k, t in plain._rows.view().tensors.items()}, "ids": plain._rows.view().ids})
+    assert len(Index.load(path)) == 20
+    zero = Index(50, 1, metric="cosine")
+    zero.set_center(np.zeros(50, np.float32))
+    zero.add(x)
+    _, bias = zero._side(zero._rows.view().tensors)
+    assert torch.equal(bias, torch.zeros(100))
+    assert json.loads(json.dumps(zero._config()))["tail_bits"] == 6

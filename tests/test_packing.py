@@ -1,6 +1,7 @@
 """The packed code layout (tqvec.packing, version 1), checked against an independent numpy reference."""
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import numpy as np
@@ -9,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tqvec.packing import Layout, pack, pack_signs, split_channels, unpack, unpack_signs
+from tqvec.packing import (Layout, layout_for_bytes, pack, pack_signs, read_tail, split_channels, unpack,
+                           unpack_signs, write_tail)
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -128,3 +130,134 @@ def test_sign_bits_round_trip(n: int, m: int, seed: int) -> None:
     assert tuple(packed.shape) == (n, math.ceil(m / 8))
     expected = np.where(values.numpy() >= 0, 1.0, -1.0)
     np.testing.assert_array_equal(unpack_signs(packed, m).numpy(), expected)
+
+
+def set_padding_bits(packed: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """A copy of ``packed`` with every padding bit of every segment set to 1."""
+    out = packed.clone()
+    byte = 0
+    for (dim, bits), nbytes in zip(layout.segments, layout.segment_bytes):
+        if nbytes and 8 * nbytes > dim * bits:
+            used_in_last = dim * bits - 8 * (nbytes - 1)
+            out[:, byte + nbytes - 1] |= (0xFF << used_in_last) & 0xFF
+        byte += nbytes
+    return out
+
+
+def test_spare_bits() -> None:
+    """Padding bits of the last segment that holds bytes (0-bit and empty segments hold none)."""
+    assert Layout(((50, 1),)).spare_bits == 6
+    assert Layout(((4, 2), (46, 1))).spare_bits == 2
+    assert Layout(((64, 1),)).spare_bits == 0
+    assert Layout(((10, 3), (0, 2))).spare_bits == 2  # 30 bits in 4 bytes
+    assert Layout(((3, 5), (6, 0))).spare_bits == 1  # 15 bits in 2 bytes; the 0-bit segment holds no byte
+    assert Layout(((5, 0),)).spare_bits == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(layout=layouts, n=st.integers(0, 5), seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_tail_code_round_trip_leaves_codes_alone(layout: Layout, n: int, seed: int, data: st.DataObject) -> None:
+    """A tail code reads back exactly, changes only the top bits of the last byte, and unpack ignores it;
+    writing again replaces it."""
+    if layout.spare_bits == 0:
+        return
+    bits = data.draw(st.integers(1, layout.spare_bits))
+    indices = random_indices(layout, n, seed)
+    reference = reference_pack(indices, layout)
+    rng = np.random.default_rng(seed + 1)
+    packed = pack(torch.from_numpy(indices), layout)
+    for _ in range(2):
+        values = torch.from_numpy(rng.integers(0, 1 << bits, size=n))
+        assert write_tail(packed, values, layout, bits) is packed
+        assert torch.equal(read_tail(packed, layout, bits), values)
+        np.testing.assert_array_equal(unpack(packed, layout).numpy(), indices)
+        got = packed.numpy()
+        np.testing.assert_array_equal(got[:, :-1], reference[:, :-1])
+        low = (1 << (8 - bits)) - 1
+        np.testing.assert_array_equal(got[:, -1] & low, reference[:, -1])
+
+
+def test_tail_code_rejects_bad_input() -> None:
+    layout = Layout(((50, 1),))  # 6 spare bits
+    packed = pack(torch.zeros(3, 50, dtype=torch.int64), layout)
+    for bits in (0, 7, True, 2.0):
+        with pytest.raises(ValueError, match="spare bits"):
+            write_tail(packed, torch.zeros(3, dtype=torch.int64), layout, bits)
+        with pytest.raises(ValueError, match="spare bits"):
+            read_tail(packed, layout, bits)
+    with pytest.raises(ValueError, match=r"lie in \[0, 64\)"):
+        write_tail(packed, torch.tensor([0, 64, 1]), layout, 6)
+    with pytest.raises(ValueError, match=r"lie in \[0, 64\)"):
+        write_tail(packed, torch.tensor([0, -1, 1]), layout, 6)
+    with pytest.raises(ValueError, match="integers of shape"):
+        write_tail(packed, torch.zeros(3), layout, 6)
+    with pytest.raises(ValueError, match="integers of shape"):
+        write_tail(packed, torch.zeros(2, dtype=torch.int64), layout, 6)
+    with pytest.raises(ValueError, match="packed"):
+        read_tail(packed[:, :-1], layout, 6)
+    with pytest.raises(ValueError, match="packed"):
+        read_tail(packed.to(torch.int32), layout, 6)
+    assert torch.equal(packed, torch.zeros(3, 7, dtype=torch.uint8))  # nothing was written
+
+
+@pytest.mark.parametrize("dim", [1, 7, 50, 64, 100])
+@pytest.mark.parametrize("row_bytes", [0, 1, 5, 7, 13, 40])
+@pytest.mark.parametrize("spare", [0, 1, 4, 7])
+def test_layout_for_bytes_with_spare_bits(dim: int, row_bytes: int, spare: int) -> None:
+    """The most code bits that fit in row_bytes with at least ``spare`` padding bits (or a clear error)."""
+    def fits(total: int) -> bool:
+        low, n_high = divmod(total, dim)
+        layout = Layout(tuple(s for s in ((n_high, low + 1), (dim - n_high, low)) if s[0] > 0))
+        return layout.row_bytes <= row_bytes and layout.spare_bits >= spare
+    possible = [t for t in range(0, min(8 * row_bytes, 8 * dim) + 1) if fits(t)]
+    if not possible:
+        with pytest.raises(ValueError, match="spare bits"):
+            layout_for_bytes(dim, row_bytes, spare_bits=spare)
+        return
+    layout = layout_for_bytes(dim, row_bytes, spare_bits=spare)
+    assert layout.bits_per_row == max(possible) and layout.row_bytes <= row_bytes and layout.spare_bits >= spare
+    if spare == 0:
+        assert layout == layout_for_bytes(dim, row_bytes)
+    with pytest.raises(ValueError, match="spare_bits"):
+        layout_for_bytes(dim, row_bytes, spare_bits=8)
+
+
+@pytest.mark.parametrize("bits,dim,code_bytes", [(1, 50, None), (2, 50, None), (3, 40, None), (4, 50, None),
+                                                 (2.5, 40, None), (5, 24, None), (1.5, 50, None), (None, 50, 3)])
+def test_readers_ignore_padding_bits(bits: float | None, dim: int, code_bytes: int | None) -> None:
+    """unpack, scan.dequantize / scores / search (CPU) and the Triton kernels (CUDA, or TRITON_INTERPRET=1)
+    return identical results whether the padding bits (a tail code's room) are zero or all ones."""
+    from tqvec import TurboQuantizer, scan
+
+    gen = torch.Generator().manual_seed(dim)
+    tq = TurboQuantizer(dim, bits) if code_bytes is None else TurboQuantizer.for_bytes(dim, code_bytes)
+    layout, table = tq.layout, tq.table("cpu")
+    codes = tq.encode(torch.randn(70, dim, generator=gen))
+    filled = set_padding_bits(codes.packed, layout)
+    assert layout.spare_bits == 0 or not torch.equal(filled, codes.packed)
+    assert torch.equal(unpack(filled, layout), unpack(codes.packed, layout))
+    assert torch.equal(scan.dequantize(filled, table), scan.dequantize(codes.packed, table))
+    bias = torch.randn(70, generator=gen)
+    rotated, _ = tq.rotate_queries(torch.randn(5, dim, generator=gen))
+    blocks = [tq.code_block(type(codes)(p, codes.scales), bias) for p in (codes.packed, filled)]
+    assert torch.equal(scan.scores(rotated, blocks[0], table), scan.scores(rotated, blocks[1], table))
+    for a, b in zip(scan.search(rotated, blocks[0], table, 7), scan.search(rotated, blocks[1], table, 7)):
+        assert torch.equal(a, b)
+    if importlib.util.find_spec("triton") is None:
+        return
+    from tqvec.kernels import ops  # noqa: PLC0415
+
+    if torch.cuda.is_available():
+        device = "cuda"
+    elif ops.interpreting():
+        device = "cpu"
+    else:
+        return
+    dev_table = tq.table(device)
+    dev_blocks = [tq.code_block(type(codes)(p.to(device), codes.scales.to(device)), bias.to(device))
+                  for p in (codes.packed, filled)]
+    q = rotated.to(device)
+    assert torch.equal(ops.scores(q, dev_blocks[0], dev_table), ops.scores(q, dev_blocks[1], dev_table))
+    for nq in (1, 5):
+        for a, b in zip(ops.search(q[:nq], dev_blocks[0], dev_table, 7), ops.search(q[:nq], dev_blocks[1], dev_table, 7)):
+            assert torch.equal(a, b)

@@ -318,3 +318,91 @@ def test_encode_larger_than_one_block(monkeypatch: pytest.MonkeyPatch) -> None:
     blocked = quantizer.encode(x)
     for got, want in zip(blocked._tensors(), whole._tensors()):
         assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------- fast encoder = the encoder it replaced
+def reference_encode(quantizer: TurboQuantizer, x: np.ndarray) -> Codes:
+    """The CPU encoder as it was before the fast path, step by step: int64 ``bucketize`` per segment, bitwise
+    packing (test_packing's reference), ŷ from dequantizing the packed codes for the rescale and the residual."""
+    from test_packing import reference_pack
+
+    from tqvec.packing import pack_signs
+
+    x = torch.from_numpy(x)
+    norms = torch.linalg.vector_norm(x, dim=1)
+    unit = x / torch.where(norms > 0, norms, torch.ones_like(norms))[:, None]
+    rotated = quantizer.rotation.forward(unit)
+    columns, start = [], 0
+    for (dim, _), boundaries in zip(quantizer.layout.segments, quantizer._boundaries):
+        seg = rotated[:, start:start + dim]
+        start += dim
+        columns.append(torch.zeros_like(seg, dtype=torch.int64) if boundaries is None
+                       else torch.bucketize(seg.contiguous(), boundaries))
+    packed = torch.from_numpy(reference_pack(torch.cat(columns, dim=1).numpy(), quantizer.layout))
+    approx = scan.dequantize(packed, quantizer.table("cpu"))
+    scales = norms
+    if quantizer.rescale:
+        alignment = (approx * rotated).sum(1)
+        scales = torch.where(alignment > 0, norms / alignment.clamp_min(1e-30), norms)
+    if quantizer.mode == "mse":
+        return Codes(packed, scales)
+    residual = rotated - approx
+    return Codes(packed, scales, pack_signs(residual @ quantizer.qjl_matrix("cpu").T), torch.linalg.vector_norm(residual, dim=1))
+
+
+@pytest.mark.parametrize("dim,bits,mode,rotation,rescale", [
+    (50, 1, "mse", "haar", False), (50, 4, "mse", "haar", True), (40, 2.5, "mse", "haar", True),
+    (40, 3, "mse", "hadamard", True), (24, 5.25, "mse", "haar", False), (50, 1.5, "mse", "haar", True),
+    (40, 8, "mse", "haar", True), (40, 3, "prod", "haar", False), (24, 1, "prod", "hadamard", False),
+    (50, None, "mse", "haar", True),  # TurboQuantizer.for_bytes(50, 3): channels with 0 bits
+])
+def test_encoder_output_is_bit_identical_to_the_reference(dim: int, bits: float | None, mode: str, rotation: str,
+                                                          rescale: bool) -> None:
+    """The fast encoder (int32 indices, direct packing, ŷ from the indices) changes no bit of any field."""
+    rng = np.random.default_rng(dim)
+    x = (rng.standard_normal((300, dim)) * rng.uniform(0.1, 10, (300, 1))).astype(np.float32)
+    x[7] = 0.0  # a zero vector
+    x[8, :3] = [1e-3, -2e-3, 0]  # values that may fall on or near decision boundaries after rotation
+    quantizer = (TurboQuantizer.for_bytes(dim, 3, rotation=rotation, rescale=rescale) if bits is None
+                 else TurboQuantizer(dim, bits, mode, rotation, seed=dim, rescale=rescale))
+    got, want = quantizer.encode(x), reference_encode(quantizer, x)
+    for name in ("packed", "scales", "qjl", "residual_norms"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("dim,bits", [(50, 1), (50, 1.5), (40, 2.5), (40, 3), (50, 4), (24, 5.25), (40, 8), (50, None)])
+def test_code_norms_equal_norms_of_decoded_levels(dim: int, bits: float | None) -> None:
+    """‖ŷ‖ from the per-byte tables equals the norm of the dequantized levels, padding bits set or not."""
+    from test_packing import set_padding_bits
+
+    quantizer = TurboQuantizer.for_bytes(dim, 3) if bits is None else TurboQuantizer(dim, bits, seed=1)
+    packed = quantizer.encode(unit_vectors(200, dim, seed=1)).packed
+    want = scan.dequantize(packed, quantizer.table("cpu")).double().norm(dim=1)
+    for p in (packed, set_padding_bits(packed, quantizer.layout)):
+        torch.testing.assert_close(quantizer.code_norms(p).double(), want, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="packed"):
+        quantizer.code_norms(packed[:, 1:])
+
+
+@pytest.mark.parametrize("dim,bits", [(50, 2), (50, 3), (50, 4), (40, 8), (384, 4), (1536, 8), (3, 4), (40, 2.5),
+                                      (50, 1.5), (50, None), (24, 5.25)])
+def test_quantize_equals_bucketize_on_and_next_to_boundaries(dim: int, bits: float | None) -> None:
+    """The grid bucketizer counts boundaries exactly as ``torch.bucketize`` (right=False), also for values on a
+    boundary, one float32 ulp either side, at the grid's ends and far outside [−1, 1]."""
+    quantizer = TurboQuantizer.for_bytes(dim, 3) if bits is None else TurboQuantizer(dim, bits)
+    values = [torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30, 3e38, -3e38, 0.5, -0.5])]
+    for b in quantizer._boundaries:
+        if b is not None:
+            values += [b, torch.nextafter(b, torch.tensor(math.inf)), torch.nextafter(b, torch.tensor(-math.inf))]
+            values += [b * 0.999, b * 1.001, b.max().reshape(1) * 3, b.min().reshape(1) * 3, (b[1:] + b[:-1]) / 2]
+    pool = torch.cat(values).float()
+    rng = np.random.default_rng(dim)
+    x = pool[torch.from_numpy(rng.integers(0, len(pool), (500, quantizer.rotated_dim)))]
+    got = quantizer._quantize(x)
+    want, start = [], 0
+    for (d, _), b in zip(quantizer.layout.segments, quantizer._boundaries):
+        seg = x[:, start:start + d]
+        start += d
+        want.append(torch.zeros_like(seg, dtype=torch.int64) if b is None else torch.bucketize(seg.contiguous(), b))
+    assert got.dtype == torch.int32 and torch.equal(got.long(), torch.cat(want, dim=1))

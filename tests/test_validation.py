@@ -129,6 +129,21 @@ def test_as_float_matrix() -> None:
         as_float_matrix(np.ones((2, 4)), 3, "vecs")
 
 
+def test_finiteness_check_fast_path_is_exact() -> None:
+    """Finite entries whose float32 sum overflows are accepted (the exact check runs after a non-finite sum);
+    a single NaN, +inf or −inf anywhere is rejected, also where +inf and −inf would cancel to NaN."""
+    big = np.full((4, 3), 3e38, np.float32)
+    assert torch.equal(as_float_matrix(big, 3), torch.from_numpy(big))
+    assert as_float_matrix(-big, 3).shape == (4, 3)
+    for bad in ([np.nan], [np.inf], [-np.inf], [np.inf, -np.inf]):
+        x = np.ones((5, 3), np.float32)
+        x.flat[[4, 11][: len(bad)]] = bad
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            as_float_matrix(x, 3)
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            as_float_matrix(torch.from_numpy(x).double(), 3)
+
+
 def test_check_helpers() -> None:
     assert check_bits(8) == 8.0 and check_bits(2.5) == 2.5
     with pytest.raises(ValueError, match="bits"):

@@ -33,7 +33,9 @@ def as_float_matrix(x: Any, dim: int, name: str = "x", device: torch.device | st
     if device is not None:
         x = x.to(device)
     x = x.to(torch.float32).contiguous()  # one memory layout, so results never depend on strides
-    if x.numel() and not bool(torch.isfinite(x).all()):
+    # a sum is finite whenever every entry is (IEEE: NaN and ±inf propagate), and one reduction is ~3x
+    # cheaper than an elementwise check; only a non-finite sum (a bad entry, or overflow) needs the exact test
+    if x.numel() and not bool(torch.isfinite(x.sum())) and not bool(torch.isfinite(x).all()):
         raise ValueError(f"{name} contains NaN or Inf")
     return x
 
