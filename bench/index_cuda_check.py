@@ -17,7 +17,10 @@ import torch
 
 from tqvec import Index
 
-CASES = [("cosine", 4, "mse"), ("cosine", 2, "mse"), ("ip", 3.5, "mse"), ("l2", 4, "mse"), ("ip", 4, "prod")]
+#: (metric, bits, mode, dim or None for --dim); the 50-d 1-bit cosine case stores its centering bias in the
+#: code row's padding bits (tqvec.index, correction="center")
+CASES = [("cosine", 4, "mse", None), ("cosine", 2, "mse", None), ("ip", 3.5, "mse", None), ("l2", 4, "mse", None),
+         ("ip", 4, "prod", None), ("cosine", 1, "mse", 50)]
 
 
 def check(metric: str, bits: float, mode: str, n: int, dim: int, nq: int) -> dict:
@@ -41,7 +44,7 @@ def check(metric: str, bits: float, mode: str, n: int, dim: int, nq: int) -> dic
     torch.cuda.synchronize()
     search_s = (time.perf_counter() - start) / 5
     return {
-        "metric": metric, "bits": bits, "mode": mode, "n": n, "dim": dim, "nq": nq,
+        "metric": metric, "bits": bits, "mode": mode, "n": n, "dim": dim, "nq": nq, "correction": gpu.correction,
         "codes_identical": bool(same_codes),
         "id_agreement": float((i_cpu == i_gpu).mean()),
         "max_score_diff": float(np.abs(d_cpu - d_gpu).max()),
@@ -58,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nq", type=int, default=100)
     parser.add_argument("--out", type=Path, default=Path("index_cuda_check.json"))
     args = parser.parse_args(argv)
-    rows = [check(m, b, mode, args.n, args.dim, args.nq) for m, b, mode in CASES]
+    rows = [check(m, b, mode, args.n, dim or args.dim, args.nq) for m, b, mode, dim in CASES]
     for row in rows:
         print(row)
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows},
