@@ -15,7 +15,7 @@ Two kernels, no ``(heads, tokens)`` score matrix in memory:
    tokens with ``tl.dot`` (float16 operands, float32 accumulation) against the rotated, pre-scaled
    queries ``q̃ = log2(e) · scaling · Π_k q``, runs an online base-2 softmax and accumulates
    ``Σ p_i s^v_i ŷ^v_i``; it writes the slice's running max ``m``, sum ``l`` and accumulator.
-2. :func:`combine_kernel`, grid ``(b·h,)``: merges the slices (log-sum-exp), maps the accumulator back
+2. :func:`combine_kernel`, grid ``(b·h, G)``: merges the slices (log-sum-exp), maps the accumulator back
    with ``B_v`` and adds ``μ_v · l``, attends exactly to the sink and window tokens (scores
    ``q·k − q·μ_k``, the same shift the codes carry), merges both parts and writes the output.
 
@@ -34,7 +34,7 @@ import triton.language as tl
 
 from tqvec.packing import Layout
 
-from .ops import interpreting
+from .ops import interpreting, segment_args
 from .unpack import nibble_asm, nibble_values, segment_values
 
 if TYPE_CHECKING:
@@ -53,12 +53,8 @@ def _decode(row_ptrs, row_mask, levels_ptr, BYTE: tl.constexpr, DIM: tl.constexp
     permutes of :func:`nibble_asm` (four codes per instruction); ``NIB`` −1: a layout segment read by
     :func:`segment_values`.
     """
-    if NIB >= 0 and ASM != "":
-        v = nibble_values(row_ptrs, row_mask, BYTE, 0, DIM, ASM, PAD)
-    elif NIB >= 0:
-        c = tl.arange(0, PAD)
-        raw = tl.load(row_ptrs[:, None] + BYTE + c[None, :], mask=row_mask[:, None] & (c < DIM)[None, :], other=0)
-        v = tl.load(levels_ptr + ((raw.to(tl.int32) >> NIB) & 15))
+    if NIB >= 0:
+        v = nibble_values(row_ptrs, row_mask, BYTE, 0, DIM, PAD, levels_ptr, NIB, ASM)
     else:
         v = segment_values(row_ptrs, row_mask, BYTE, 0, levels_ptr, DIM, BITS, NBYTES, False, BLOCK_N, PAD)
     return v.to(tl.float16)
@@ -298,25 +294,16 @@ def _asm(table: CodeTable, prefix: str, use: bool) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=64)
 def _segments(layout: Layout, prefix: str) -> dict[str, int]:
-    """Constexprs ``{prefix}{0,1}_{CH,DIM,BITS,NBYTES,BYTE,ROW,NIB,PAD}`` of the kernel's (at most two) segments."""
+    """Constexprs ``{prefix}{0,1}_{CH,DIM,BITS,NBYTES,BYTE,ROW,NIB,PAD}`` of the kernel's (at most two) segments:
+    the low and high nibbles of a nibble-split layout, else the layout's own (:func:`~.ops.segment_args`)."""
     if _nibble_split(layout):
         half = layout.dim // 2
-        rows = [(0, half, 4, half, 0, 0, 0), (half, half, 4, half, 0, 0, 4)]
+        out = {f"{prefix}{s}_{k}": v for s, nib in enumerate((0, 4))
+               for k, v in dict(CH=s * half, DIM=half, BITS=4, NBYTES=half, BYTE=0, ROW=0, NIB=nib).items()}
     else:
-        rows, channel, byte = [], 0, 0
-        for row, ((dim, bits), nbytes) in enumerate(zip(layout.segments, layout.segment_bytes)):
-            if dim and bits:
-                rows.append((channel, dim, bits, nbytes, byte, row, -1))
-            channel += dim
-            byte += nbytes
-        if len(rows) > 2:
-            raise ValueError(f"decode attention supports at most two code segments, got {layout.segments}")
-        rows += [(0, 0, 1, 0, 0, 0, -1)] * (2 - len(rows))
-    names = ("CH", "DIM", "BITS", "NBYTES", "BYTE", "ROW", "NIB")
-    out = {}
-    for s, values in enumerate(rows):
-        out.update({f"{prefix}{s}_{k}": v for k, v in zip(names, values)})
-        out[f"{prefix}{s}_PAD"] = max(16, triton.next_power_of_2(max(values[1], 1)))
+        out = segment_args(layout, prefix) | {f"{prefix}{s}_NIB": -1 for s in range(2)}
+    for s in range(2):
+        out[f"{prefix}{s}_PAD"] = max(16, triton.next_power_of_2(max(out[f"{prefix}{s}_DIM"], 1)))
     return out
 
 

@@ -99,8 +99,8 @@ def _check_device(t: torch.Tensor) -> None:
         raise ValueError("tqvec.kernels needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)")
 
 
-def _segment_args(layout: Layout) -> dict[str, int]:
-    """Constexprs ``S{0,1}_{CH,DIM,BITS,NBYTES,BYTE,ROW}`` of the (at most two) non-empty segments."""
+def segment_args(layout: Layout, prefix: str = "S") -> dict[str, int]:
+    """Constexprs ``{prefix}{0,1}_{CH,DIM,BITS,NBYTES,BYTE,ROW}`` of the (at most two) non-empty segments."""
     segments, channel, byte = [], 0, 0
     for row, ((dim, bits), nbytes) in enumerate(zip(layout.segments, layout.segment_bytes)):
         if dim and bits:
@@ -111,7 +111,7 @@ def _segment_args(layout: Layout) -> dict[str, int]:
         raise ValueError(f"kernels support at most two non-empty segments, got {layout.segments}")
     segments += [(0, 0, 1, 0, 0, 0)] * (2 - len(segments))
     names = ("CH", "DIM", "BITS", "NBYTES", "BYTE", "ROW")
-    return {f"S{s}_{name}": value for s, seg in enumerate(segments) for name, value in zip(names, seg)}
+    return {f"{prefix}{s}_{name}": value for s, seg in enumerate(segments) for name, value in zip(names, seg)}
 
 
 def _pow2_clamp(x: int, lo: int, hi: int) -> int:
@@ -206,7 +206,7 @@ def _launch_tiles(
         queries, p, **_operands(block, projected), levels_ptr=table.levels,
         lut_ptr=_pair_lut(table) if half and cfg.pair_lut else table.levels, qfac_ptr=qfac, out_ptr=out,
         nq=nq, n=n, n_q_tiles=n_q_tiles, stride_q=queries.stride(0), stride_p=p.stride(0),
-        **_row_strides(block), stride_out=out.stride(0), **_segment_args(table.layout), **_flags(block, projected),
+        **_row_strides(block), stride_out=out.stride(0), **segment_args(table.layout), **_flags(block, projected),
         GROUP_MAX=group_max, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, TILES=cfg.tiles,
         Q_RESIDENT=resident, PAIR_LUT=half and cfg.pair_lut, DOT_DTYPE=tl.float16 if half else tl.float32,
         PRECISION="tf32" if half else "tf32x3", ROWS_AS_M=cfg.rows_as_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -263,7 +263,7 @@ def _refine(
     refine_kernel[(nq, kg)](
         q, pp, groups, **_operands(block, p), levels_ptr=table.levels, out_ptr=out, ids_ptr=ids,
         n=len(block), n_groups_per_query=kg, stride_q=q.stride(0), stride_p=pp.stride(0), **_row_strides(block),
-        **_segment_args(table.layout), **_flags(block, p), BLOCK_N=rows,
+        **segment_args(table.layout), **_flags(block, p), BLOCK_N=rows,
         BLOCK_B=_pow2_clamp(max(table.layout.segment_bytes), 8, 16 if interpreting() else 64), num_warps=4,
     )
     return out, ids
@@ -276,7 +276,7 @@ def _launch_matvec(
     pp = q if p is None else p
     matvec_kernel[(q.shape[0], triton.cdiv(out.shape[1], cfg.tiles))](
         q, pp, **_operands(block, p), levels_ptr=table.levels, out_ptr=out, n=len(block), stride_q=q.stride(0),
-        stride_p=pp.stride(0), **_row_strides(block), stride_out=out.stride(0), **_segment_args(table.layout),
+        stride_p=pp.stride(0), **_row_strides(block), stride_out=out.stride(0), **segment_args(table.layout),
         **_flags(block, p), BLOCK_N=cfg.block_n, BLOCK_B=_pow2_clamp(max(table.layout.segment_bytes), 1, cfg.block_d),
         TILES=cfg.tiles, num_warps=cfg.num_warps,
     )
@@ -464,7 +464,7 @@ def encode(rotated: torch.Tensor, table: CodeTable, boundaries: torch.Tensor) ->
     block_n = 16 if interpreting() else 64
     encode_kernel[(triton.cdiv(n, block_n),)](
         x, boundaries, table.levels, _dummy(packed, norms), norms, alignment, n, x.stride(0),
-        max(layout.row_bytes, 1), D=layout.dim, **_segment_args(layout), BLOCK_N=block_n,
+        max(layout.row_bytes, 1), D=layout.dim, **segment_args(layout), BLOCK_N=block_n,
         BLOCK_D=_pow2_clamp(layout.dim, 16, 32 if interpreting() else 128),
         BLOCK_B=_pow2_clamp(max(layout.segment_bytes), 8, 16 if interpreting() else 64), num_warps=4,
     )

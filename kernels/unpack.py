@@ -205,10 +205,16 @@ def nibble_asm(levels: torch.Tensor, shift: int) -> str:
 
 
 @triton.jit
-def nibble_values(row_ptrs, row_mask, byte0, b0, NBYTES: tl.constexpr, ASM: tl.constexpr, WIDTH: tl.constexpr):
-    """Float16 levels ``(BLOCK_N, WIDTH)`` of the low or high nibbles (per :func:`nibble_asm`'s ``ASM``) of bytes
-    ``b0 .. b0 + WIDTH`` of a 4-bit segment: channels ``2·byte`` (low) or ``2·byte + 1`` (high), no reshuffling.
-    Bytes past ``NBYTES`` and masked rows read as byte 0."""
+def nibble_values(row_ptrs, row_mask, byte0, b0, NBYTES: tl.constexpr, WIDTH: tl.constexpr, levels_ptr,
+                  SHIFT: tl.constexpr, ASM: tl.constexpr):
+    """Float16 levels ``(BLOCK_N, WIDTH)`` of the low (``SHIFT`` 0) or high (4) nibbles of bytes ``b0 .. b0 + WIDTH``
+    of a 4-bit segment: channels ``2·byte`` or ``2·byte + 1``, no reshuffling. Decoded by :func:`nibble_asm`'s
+    ``ASM`` (built for the same ``SHIFT``) when given, else gathered from ``levels_ptr``. Bytes past ``NBYTES``
+    and masked rows read as byte 0."""
     offs = b0 + tl.arange(0, WIDTH)
     raw = tl.load(row_ptrs[:, None] + (byte0 + offs)[None, :], mask=row_mask[:, None] & (offs < NBYTES)[None, :], other=0)
-    return tl.inline_asm_elementwise(ASM, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+    if ASM != "":
+        values = tl.inline_asm_elementwise(ASM, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        values = tl.load(levels_ptr + ((raw.to(tl.int32) >> SHIFT) & 15)).to(tl.float16)
+    return values
