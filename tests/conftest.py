@@ -2,6 +2,9 @@
 
 Both loaders fail loudly when the data are missing: the acceptance tests of issue 2 require real data,
 and a silent skip would let CI pass without them.
+
+Without a visible GPU the Triton kernels run on Triton's CPU interpreter: ``TRITON_INTERPRET=1`` is set here,
+before any test module imports ``tqvec.kernels`` (``make test`` sets it too).
 """
 from __future__ import annotations
 
@@ -13,6 +16,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KJV_FILE = "kjv-minilm-384-angular.hdf5"

@@ -1,25 +1,21 @@
 """Triton kernels (tqvec.kernels.ops) against the torch reference of tqvec.scan and the CPU encoder.
 
 Runs on CUDA when present, else on the CPU through Triton's interpreter (``TRITON_INTERPRET=1``, set
-here when no GPU is visible and the kernels are not imported yet). Shapes are small and ragged: row
+by conftest.py when no GPU is visible). Shapes are small and ragged: row
 counts are not multiples of the interpreter's 32-row tiles and channel counts not multiples of its
 32-channel steps. Tolerances: float32 scores to 1e-4 relative (the kernels accumulate in float32, so
 the observed error is ~1e-7); top-k rows must equal the reference except between tied scores.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tqvec import TurboQuantizer, scan  # noqa: E402
-from tqvec.kernels import ops  # noqa: E402
-from tqvec.packing import unpack  # noqa: E402
+from tqvec import TurboQuantizer, scan
+from tqvec.kernels import ops
+from tqvec.packing import unpack
 
 pytestmark = [
     pytest.mark.usefixtures("single_torch_thread"),

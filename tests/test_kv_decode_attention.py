@@ -2,13 +2,8 @@
 the general per-head path :func:`tqvec.kv.attention.compressed_attention` and against exact attention."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tqvec import scan
 from tqvec.kv import TurboQuantLayer
@@ -16,14 +11,16 @@ from tqvec.kv.attention import compressed_attention, decode_step
 from tqvec.kv.codec import HeadCodec
 
 kernels = pytest.importorskip("tqvec.kernels.attention")
-from tqvec.kernels import unpack  # noqa: E402
+from tqvec.kernels import ops, unpack  # noqa: E402
+
+KERNEL_DEVICE = "cpu" if ops.interpreting() else "cuda"
 
 
 def _layer(bits: float, d: int, tokens: int, batch: int = 1, heads: int = 2, window: int = 8, sinks: int = 2,
-           split: str = "rotated", seed: int = 0) -> tuple[object, torch.Tensor, torch.Tensor, torch.Tensor]:
+           split: str = "rotated", seed: int = 0, device: str = "cpu") -> tuple[object, torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    k = torch.randn(batch, heads, tokens, d, generator=g) + 0.5
-    v = torch.randn(batch, heads, tokens, d, generator=g) - 0.25
+    k = (torch.randn(batch, heads, tokens, d, generator=g) + 0.5).to(device)
+    v = (torch.randn(batch, heads, tokens, d, generator=g) - 0.25).to(device)
     layer = TurboQuantLayer(HeadCodec(d, bits, split=split), HeadCodec(d, bits, split=split, seed=1000), window, sinks)
     layer.update(k[:, :, :-1], v[:, :, :-1])
     handle, _ = layer.update(k[:, :, -1:], v[:, :, -1:])
@@ -32,7 +29,7 @@ def _layer(bits: float, d: int, tokens: int, batch: int = 1, heads: int = 2, win
 
 def _query(handle, group: int, g: torch.Generator, dtype=torch.float32) -> torch.Tensor:
     b, h, _, d = handle.keys.shape
-    return (2 * torch.randn(b, h * group, 1, d, generator=g)).to(dtype)
+    return (2 * torch.randn(b, h * group, 1, d, generator=g)).to(handle.keys.device, dtype)
 
 
 @pytest.mark.parametrize("bits", [4, 3.5, 2, 3])
@@ -71,12 +68,12 @@ def test_attend_is_close_to_exact_attention_at_8_bits():
     (2, 48, 3, 61, torch.bfloat16), (3, 32, 4, 19, torch.float32), (1, 32, 2, 90, torch.float32),
 ])
 def test_kernels_equal_torch_reference(bits, d, group, tokens, dtype):
-    """Triton kernels (interpreter on CPU) vs the torch reference. The kernels round the rotated queries, the
+    """Triton kernels (on CUDA, or the interpreter on CPU) vs the torch reference. The kernels round the rotated queries, the
     levels and the probabilities to float16 (relative 2⁻¹¹ each): 3e-3 relative error bound, plus the output
     dtype's own rounding for float16/bfloat16 queries (bfloat16: 2⁻⁸)."""
-    handle, _, _, g = _layer(bits, d, tokens, batch=2)
+    handle, _, _, g = _layer(bits, d, tokens, batch=2, device=KERNEL_DEVICE)
     q = _query(handle, group, g, dtype)
-    mask = torch.ones(2, 1, 1, handle.kv_length, dtype=torch.bool)
+    mask = torch.ones(2, 1, 1, handle.kv_length, dtype=torch.bool, device=KERNEL_DEVICE)
     mask[0, ..., :5] = False
     for m in (None, mask):
         step = decode_step(handle, q, m, d ** -0.5)

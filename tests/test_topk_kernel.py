@@ -1,23 +1,19 @@
 """The Triton top-k kernels (tqvec.kernels.topk) against torch.topk, and the search using them.
 
-Runs on CUDA when present, else through Triton's interpreter (``TRITON_INTERPRET=1``, set here when no
-GPU is visible). The interpreter sorts slowly, so the shapes are small and the kernels' blocks too (16–64
+Runs on CUDA when present, else through Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py
+when no GPU is visible). The interpreter sorts slowly, so the shapes are small and the kernels' blocks too (16–64
 candidates), which exercises every pass: one program per row, rows split over programs, merged keys,
 several blocks per program.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tqvec import TurboQuantizer, scan  # noqa: E402
-from tqvec.kernels import ops, topk  # noqa: E402
+from tqvec import TurboQuantizer, scan
+from tqvec.kernels import ops, topk
 
 pytestmark = [
     pytest.mark.usefixtures("single_torch_thread"),
