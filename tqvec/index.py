@@ -123,6 +123,40 @@ def _load_side(stored: torch.Tensor) -> torch.Tensor:
     return stored.float()
 
 
+def sort_ids(live: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(sorted ids, their rows)`` of the live int64 ids, the lookup table of :func:`rows_of_ids`."""
+    order = np.argsort(live, kind="stable")
+    return live[order], order
+
+
+def rows_of_ids(table: tuple[np.ndarray, np.ndarray], ids: np.ndarray, missing_ok: bool = False) -> np.ndarray:
+    """Row of each id in ``table`` (:func:`sort_ids`): −1 if absent and ``missing_ok``, else ``KeyError``."""
+    keys, order = table
+    if len(keys) == 0:
+        found, rows = np.zeros(len(ids), bool), np.full(len(ids), -1, np.int64)
+    else:
+        pos = np.searchsorted(keys, ids).clip(0, len(keys) - 1)
+        found = keys[pos] == ids
+        rows = np.where(found, order[pos], -1)
+    if not missing_ok and not found.all():
+        raise KeyError(f"unknown id {int(ids[~found][0])}")
+    return rows
+
+
+def new_ids(ids: Any, n: int, next_id: int, table: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """Ids ``(n,)`` int64 for ``n`` added vectors: ``ids`` checked (``ValueError`` on a duplicate or an id in
+    ``table``), or consecutive from ``next_id`` when None."""
+    if ids is None:
+        return np.arange(next_id, next_id + n, dtype=np.int64)
+    new = as_ids(ids, n)
+    if len(np.unique(new)) != n:
+        raise ValueError("ids contain duplicates")
+    present = rows_of_ids(table, new, missing_ok=True) >= 0
+    if present.any():
+        raise ValueError(f"id {int(new[present][0])} is already in the index")
+    return new
+
+
 class Index:
     """Flat TurboQuant index (module docstring: budget, scoring, concurrency).
 
@@ -280,15 +314,7 @@ class Index:
         return new_ids
 
     def _new_ids(self, ids: Any, n: int) -> np.ndarray:
-        if ids is None:
-            return np.arange(self._next_id, self._next_id + n, dtype=np.int64)
-        new = as_ids(ids, n)
-        if len(np.unique(new)) != n:
-            raise ValueError("ids contain duplicates")
-        present = self._rows_of(new, missing_ok=True) >= 0
-        if present.any():
-            raise ValueError(f"id {int(new[present][0])} is already in the index")
-        return new
+        return new_ids(ids, n, self._next_id, self._id_table())
 
     def _encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-row tensors for ``x`` (validated; already normalized for cosine)."""
@@ -328,22 +354,15 @@ class Index:
         self._sorted = None
 
     # ------------------------------------------------------------------ ids
+    def _id_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """:func:`sort_ids` of the live ids, cached until rows change."""
+        if self._sorted is None:
+            self._sorted = sort_ids(self._rows.ids[: self._rows.size])
+        return self._sorted
+
     def _rows_of(self, ids: np.ndarray, missing_ok: bool = False) -> np.ndarray:
         """Row of each id (−1 if absent and ``missing_ok``, else ``KeyError``)."""
-        if self._sorted is None:
-            live = self._rows.ids[: self._rows.size]
-            order = np.argsort(live, kind="stable")
-            self._sorted = (live[order], order)
-        keys, order = self._sorted
-        if len(keys) == 0:
-            found, rows = np.zeros(len(ids), bool), np.full(len(ids), -1, np.int64)
-        else:
-            pos = np.searchsorted(keys, ids).clip(0, len(keys) - 1)
-            found = keys[pos] == ids
-            rows = np.where(found, order[pos], -1)
-        if not missing_ok and not found.all():
-            raise KeyError(f"unknown id {int(ids[~found][0])}")
-        return rows
+        return rows_of_ids(self._id_table(), ids, missing_ok)
 
     def remove(self, ids: Any) -> int:
         """Remove the vectors with these ids (an unknown id raises ``KeyError``, nothing removed). Returns the count."""

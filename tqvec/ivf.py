@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from . import scan, storage
-from .index import CORRECTIONS, METRICS
+from .index import CORRECTIONS, METRICS, new_ids, rows_of_ids, sort_ids
 from .quantizer import Codes, TurboQuantizer
 from .validation import as_float_matrix, as_ids, check_bits, check_choice, check_positive_int
 
@@ -303,15 +303,7 @@ class IVFIndex:
         return new_ids
 
     def _new_ids(self, ids: Any, n: int) -> np.ndarray:
-        if ids is None:
-            return np.arange(self._next_id, self._next_id + n, dtype=np.int64)
-        new = as_ids(ids, n)
-        if len(np.unique(new)) != n:
-            raise ValueError("ids contain duplicates")
-        present = self._rows_of(new, missing_ok=True) >= 0
-        if present.any():
-            raise ValueError(f"id {int(new[present][0])} is already in the index")
-        return new
+        return new_ids(ids, n, self._next_id, self._id_table())
 
     def _bases(self, lists: torch.Tensor) -> torch.Tensor | None:
         """The base ``b`` of each row ``(n, dim)`` (its centroid, or the global center), or None for 0."""
@@ -379,22 +371,15 @@ class IVFIndex:
         self._sorted = None
 
     # ------------------------------------------------------------------ ids
+    def _id_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """:func:`~tqvec.index.sort_ids` of the live ids, cached until rows change."""
+        if self._sorted is None:
+            self._sorted = sort_ids(self._snap.ids)
+        return self._sorted
+
     def _rows_of(self, ids: np.ndarray, missing_ok: bool = False) -> np.ndarray:
         """Row of each id (−1 if absent and ``missing_ok``, else ``KeyError``)."""
-        if self._sorted is None:
-            live = self._snap.ids
-            order = np.argsort(live, kind="stable")
-            self._sorted = (live[order], order)
-        keys, order = self._sorted
-        if len(keys) == 0:
-            found, rows = np.zeros(len(ids), bool), np.full(len(ids), -1, np.int64)
-        else:
-            pos = np.searchsorted(keys, ids).clip(0, len(keys) - 1)
-            found = keys[pos] == ids
-            rows = np.where(found, order[pos], -1)
-        if not missing_ok and not found.all():
-            raise KeyError(f"unknown id {int(ids[~found][0])}")
-        return rows
+        return rows_of_ids(self._id_table(), ids, missing_ok)
 
     def _row_lists(self, snap: _Snapshot) -> torch.Tensor:
         """The list of every row ``(size,)`` int64."""
