@@ -261,7 +261,8 @@ def check() -> bool:
     ok = True
     cases = [(4, "mse", 128, 20001, 100), (4, "mse", 128, 20001, 1), (2, "mse", 1536, 5003, 37), (1, "mse", 128, 5003, 300),
              (3, "mse", 100, 5003, 5), (2.5, "mse", 128, 5003, 100), (3.5, "prod", 96, 5003, 20), (1, "prod", 64, 5003, 3),
-             (4, "mse", 128, 5003, 64), (4, "prod", 128, 5003, 130), (8, "mse", 1536, 3001, 200)]
+             (4, "mse", 128, 5003, 64), (4, "prod", 128, 5003, 130), (8, "mse", 1536, 3001, 200),
+             (4, "mse", 12, 3001, 20), (2, "mse", 16, 3001, 3)]  # below MIN_BLOCK_D channels
     for case in cases:
         try:
             ok &= _check_case(*case)
@@ -319,8 +320,10 @@ def sweep() -> None:
     CUDA graphs; for the first tiling of each shape also the search's steps one by one."""
     C = ops.TileConfig
     grid = {
-        (1 << 20, 128, 100, 4): [C(128, 128, 128, False, 4, True, 8), C(128, 128, 128, False, 8, True, 8),
+        (1 << 20, 128, 100, 4): [C(128, 128, 128, False, 2, True, 4), C(128, 128, 128, False, 4, True, 8),
+                                 C(128, 128, 128, False, 4, True, 4), C(128, 128, 128, False, 8, True, 8),
                                  C(128, 64, 64, False, 4, True, 4)],
+        (1 << 20, 128, 200, 4): [C(128, 128, 128, False, 2, True, 4), C(128, 128, 128, False, 4, True, 8)],
         (1 << 20, 128, 1, 4): [C(1, 32, 64, tiles=32, matvec=True), C(1, 128, 64, tiles=8, matvec=True),
                                C(16, 128, 128, True, 1)],
         (10 << 20, 128, 1, 4): [C(1, 32, 64, tiles=128, matvec=True), C(1, 32, 64, tiles=32, matvec=True),
@@ -393,6 +396,12 @@ def topk_compare(out_dir: Path, n: int = 1_000_000, d: int = 128, bits: int = 4,
         r["refine_ms"] = graph_ms(lambda: ops._refine(q, None, new_groups, block, table, cfg.block_n))
         r["final_torch_ms"] = graph_ms(lambda: ids.gather(1, torch.topk(cand, K, dim=1).indices))
         r["final_triton_ms"] = graph_ms(lambda: ops.topk_kernels.row_topk(cand, K, ids))
+        kp = ops.topk_kernels.k_pad(K)
+        kept, _ = ops._refine(q, None, new_groups, block, table, cfg.block_n, local_k=kp)
+        r["refine_keep_ms"] = graph_ms(lambda: ops._refine(q, None, new_groups, block, table, cfg.block_n, local_k=kp))
+        r["final_kept_ms"] = graph_ms(lambda: ops.topk_kernels.keys_topk(kept, K))
+        kept_best, kept_rows = ops.topk_kernels.keys_topk(kept, K)
+        r["same_final"] = same_final = same_final and torch.equal(kept_best, new_best) and torch.equal(kept_rows, new_rows)
         r["empty_graph_ms"] = graph_ms(lambda: None)
         results = {}
         for name, flag in (("torch", False), ("triton", True)):
@@ -414,13 +423,17 @@ def topk_compare(out_dir: Path, n: int = 1_000_000, d: int = 128, bits: int = 4,
     lines = ["# torch.topk vs Triton top-k in tqvec search", "",
              f"`{info['command']}` — {info['gpu']}, torch {info['torch']}, triton {info['triton']}. "
              f"N = {n:,}, d = {d}, {bits} bits, k = {K}, random codes; steps replayed from CUDA graphs on a cold L2 "
-             "(each includes one graph replay's overhead, see the empty-graph column); searches end to end (graph replay).", "",
-             "| nq | groups | stage 1 | groups torch | groups triton | refine | final torch | final triton | empty graph "
-             "| search torch | search triton | bf16 | speed-up torch / triton | equal |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(each includes one graph replay's overhead, see the empty-graph column); searches end to end (graph replay). "
+             "Refine: every refined score is a candidate of the final top-k; refine, keep 16: each 128-row slice keeps its "
+             "best k_pad(k) = 16 as keys, and the final top-k (kept) runs over those (the search's default with the Triton "
+             "top-k; 'search triton' uses it).", "",
+             "| nq | groups | stage 1 | groups torch | groups triton | refine | final torch | final triton | refine, keep 16 "
+             "| final (kept) | empty graph | search torch | search triton | bf16 | speed-up torch / triton | equal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['nq']:,} | {r['n_groups']:,} → {r['kg']} | {r['stage1_ms']:.4f} | {r['groups_torch_ms']:.4f} | "
                      f"{r['groups_triton_ms']:.4f} | {r['refine_ms']:.4f} | {r['final_torch_ms']:.4f} | {r['final_triton_ms']:.4f} | "
+                     f"{r['refine_keep_ms']:.4f} | {r['final_kept_ms']:.4f} | "
                      f"{r['empty_graph_ms']:.4f} | {r['search_torch_ms']:.4f} | {r['search_triton_ms']:.4f} | {r['bf16_ms']:.4f} | "
                      f"{r['speedup_torch']:.1f}× / {r['speedup_triton']:.1f}× | "
                      f"{'yes' if r['same_groups'] and r['same_final'] and r['same_search'] else 'NO'} |")

@@ -12,9 +12,10 @@ Search runs in two stages and never writes the ``(nq, n)`` score matrix:
    through :func:`~.scan_kernel.matvec_kernel` (exact float32 on CUDA cores, same output).
 2. :func:`~.topk.row_topk` (Triton, exact up to the order of ties; see :mod:`.topk`) picks the
    ``k + GROUP_MARGIN`` best groups per query, and :func:`~.scan_kernel.refine_kernel` rescores their
-   rows in exact float32; a last :func:`~.topk.row_topk` over those ``(k + GROUP_MARGIN) · block_n``
-   candidates gives the answer, sorted, equal scores by lower row first. ``torch.topk`` replaces
-   them where ``k + GROUP_MARGIN`` exceeds :data:`~.topk.MAX_K_PAD`, or with ``USE_TRITON_TOPK`` off.
+   rows in exact float32, keeping each refined slice's best ``k`` (rounded up to a power of two); a last
+   :func:`~.topk.keys_topk` over those gives the answer, sorted, equal scores by lower row first.
+   ``torch.topk`` replaces them where ``k + GROUP_MARGIN`` exceeds :data:`~.topk.MAX_K_PAD`, or with
+   ``USE_TRITON_TOPK`` off (then every refined score is a candidate).
 
 The groups holding the true top-k always have one of the k largest exact group maxima; the margin
 absorbs the float16 rounding of stage 1 (relative error ≲ 2⁻¹⁰ of Σ|q_c·ŷ_c|), so results equal the
@@ -64,6 +65,9 @@ USE_TRITON_TOPK = True
 #: bench/results/gpu_topk.md)
 TRITON_TOPK_MAX_QUERIES = 1000
 GRAPH_CACHE_SIZE = 8
+#: fewest channels per ``tl.dot`` step of the tile kernel: with 16, Triton 3.6 computed wrong tensor-core scores on
+#: the H200 (relative error ~1 for 4-bit codes, float16 and float32 operands alike; 32 and 64 exact)
+MIN_BLOCK_D = 32
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,10 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 1
     matvec: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.matvec and self.block_d < MIN_BLOCK_D:
+            raise ValueError(f"block_d must be at least {MIN_BLOCK_D} (see MIN_BLOCK_D), got {self.block_d}")
 
 
 def interpreting() -> bool:
@@ -133,14 +141,15 @@ def tile_config(nq: int, layout: Layout, exact: bool = False, n: int = 0) -> Til
             return TileConfig(1, 16, 8, tiles=2, matvec=True)
         return TileConfig(1, 32, 64, tiles=128 if n > 1 << 21 else 32, matvec=True)
     if interpreting():
-        return TileConfig(block_q=16, block_n=32, block_d=_pow2_clamp(widest, 16, 32))
+        return TileConfig(block_q=16, block_n=32, block_d=_pow2_clamp(widest, MIN_BLOCK_D, 32))
     block_q = _pow2_clamp(nq, 16, 128)
     if nq <= 16:
-        return TileConfig(16, 128, _pow2_clamp(widest, 16, 64 if exact else 128), rows_as_m=True)
+        return TileConfig(16, 128, _pow2_clamp(widest, MIN_BLOCK_D, 64 if exact else 128), rows_as_m=True)
     if exact:
-        return TileConfig(block_q, 128, _pow2_clamp(widest, 16, 32), num_warps=8)
-    if widest <= 128:
-        return TileConfig(block_q, 128, _pow2_clamp(widest, 16, 128), tiles=4, pair_lut=True, num_warps=8)
+        return TileConfig(block_q, 128, _pow2_clamp(widest, MIN_BLOCK_D, 32), num_warps=8)
+    if widest <= 128:  # H200, N = 1M, d = 128, 4 bits, stage 1 at nq = 100 / 200: 0.125 / 0.236 ms (4 warps, 2 tiles)
+        # against 0.140 / 0.254 (8 warps, 4 tiles)
+        return TileConfig(block_q, 128, _pow2_clamp(widest, MIN_BLOCK_D, 128), tiles=2, pair_lut=True, num_warps=4)
     return TileConfig(block_q, 256, 64, num_warps=8)
 
 
@@ -249,22 +258,29 @@ def _half_queries(q: torch.Tensor, p: torch.Tensor | None) -> tuple[torch.Tensor
 
 def _refine(
     q: torch.Tensor, p: torch.Tensor | None, groups: torch.Tensor, block: CodeBlock, table: CodeTable, group_rows: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact scores and row numbers ``(nq, n_groups · group_rows)`` of each query's chosen row groups
-    ``groups`` ``(nq, n_groups)`` of ``group_rows`` rows (``-inf`` / ``-1`` past the last row)."""
+    local_k: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Exact scores and row numbers ``(nq, slices · rows)`` of each query's chosen row groups ``groups``
+    ``(nq, n_groups)`` of ``group_rows`` rows (``-inf`` / ``-1`` past the last row), refined in slices of
+    ``rows = gcd(group_rows, REFINE_ROWS)``. ``local_k`` (a power of two below ``rows``): instead the best
+    ``local_k`` of each slice as :mod:`.topk` keys ``(nq, slices · local_k)`` int64, and ``None``."""
     rows = math.gcd(group_rows, 32 if interpreting() else REFINE_ROWS)
     if group_rows > rows:  # refine each chosen group as group_rows / rows slices
         parts = group_rows // rows
         groups = (groups[:, :, None] * parts + torch.arange(parts, device=groups.device)).flatten(1)
     nq, kg = groups.shape
-    out = torch.empty(nq, kg * rows, dtype=torch.float32, device=q.device)
-    ids = torch.empty(nq, kg * rows, dtype=torch.int64, device=q.device)
+    if local_k:
+        out, ids = torch.empty(nq, kg * local_k, dtype=torch.int64, device=q.device), None
+    else:
+        out = torch.empty(nq, kg * rows, dtype=torch.float32, device=q.device)
+        ids = torch.empty(nq, kg * rows, dtype=torch.int64, device=q.device)
     pp = q if p is None else p
     refine_kernel[(nq, kg)](
-        q, pp, groups, **_operands(block, p), levels_ptr=table.levels, out_ptr=out, ids_ptr=ids,
+        q, pp, groups, **_operands(block, p), levels_ptr=table.levels, out_ptr=out, ids_ptr=out if ids is None else ids,
         n=len(block), n_groups_per_query=kg, stride_q=q.stride(0), stride_p=pp.stride(0), **_row_strides(block),
         **segment_args(table.layout), **_flags(block, p), BLOCK_N=rows,
-        BLOCK_B=_pow2_clamp(max(table.layout.segment_bytes), 8, 16 if interpreting() else 64), num_warps=4,
+        BLOCK_B=_pow2_clamp(max(table.layout.segment_bytes), 8, 16 if interpreting() else 64),
+        LOCAL_K=local_k, BITONIC=topk_kernels.bitonic(), num_warps=4,
     )
     return out, ids
 
@@ -311,11 +327,25 @@ def select_groups(group_max: torch.Tensor, kg: int) -> torch.Tensor:
     return torch.topk(group_max, kg, dim=1, sorted=False).indices
 
 
-def final_topk(candidates: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``min(k, n_candidates)`` best ``candidates`` ``(nq, n_candidates)`` per row, best first, and their
-    ``ids``: ``(values float32, rows int64)``."""
+def refined_topk(
+    q: torch.Tensor, p: torch.Tensor | None, groups: torch.Tensor, block: CodeBlock, table: CodeTable, group_rows: int,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Refine the chosen ``groups`` (see :func:`_refine`) and return the ``min(k, candidates)`` best per query,
+    best first: ``(values float32, rows int64)``.
+
+    With the Triton top-k, each refined slice keeps only its best ``k_pad(k)`` as keys and one
+    :func:`~.topk.keys_topk` pass finishes (same answer: a query's top ``k`` holds at most ``k`` rows of any slice);
+    else every refined score goes to :func:`~.topk.row_topk` or ``torch.topk``.
+    """
+    rows = math.gcd(group_rows, 32 if interpreting() else REFINE_ROWS)
+    triton_topk = USE_TRITON_TOPK and q.shape[0] <= TRITON_TOPK_MAX_QUERIES
+    if triton_topk and topk_kernels.k_pad(k) < rows:
+        keys, _ = _refine(q, p, groups, block, table, group_rows, local_k=topk_kernels.k_pad(k))
+        return topk_kernels.keys_topk(keys, k, block=_topk_block())
+    candidates, ids = _refine(q, p, groups, block, table, group_rows)
     kc = min(k, candidates.shape[1])
-    if USE_TRITON_TOPK and topk_kernels.supported(kc) and candidates.shape[0] <= TRITON_TOPK_MAX_QUERIES:
+    if triton_topk and topk_kernels.supported(kc):
         return topk_kernels.row_topk(candidates, kc, ids, block=_topk_block())
     best, pos = torch.topk(candidates, kc, dim=1)
     return best, ids.gather(1, pos)
@@ -352,8 +382,7 @@ def _search(
         q1 = min(nq, q0 + chunk)
         qc, pc = q[q0:q1], None if p is None else p[q0:q1]
         groups = select_groups(group_maxima(qc, pc, block, table, cfg), kg)
-        candidates, ids = _refine(qc, pc, groups, block, table, cfg.block_n)
-        parts.append(final_topk(candidates, ids, k))
+        parts.append(refined_topk(qc, pc, groups, block, table, cfg.block_n, k))
     values, rows = parts[0] if len(parts) == 1 else (torch.cat([v for v, _ in parts]), torch.cat([r for _, r in parts]))
     return _pad(values, rows, k)
 

@@ -9,7 +9,8 @@ Score of query ``q`` (QJL projection ``p``) against row ``i`` (see :mod:`tqvec.s
   query and group of ``BLOCK_N`` rows).
 * :func:`matvec_kernel` is the search's first stage for a single query: exact float32 on CUDA cores,
   writing the same per-tile maxima.
-* :func:`refine_kernel` rescores, in exact float32, the rows of the groups chosen per query.
+* :func:`refine_kernel` rescores, in exact float32, the rows of the groups chosen per query (and may keep
+  only each group's best few, as :mod:`.topk` keys).
 * :func:`half_queries_kernel` scales and casts the queries for the float16 first stage.
 
 Segments are passed as constexprs: ``S{0,1}_CH`` first channel, ``S{0,1}_DIM`` channels (0 = absent),
@@ -21,6 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .topk import best_keys
 from .unpack import pair_lut_values, segment_matvec, segment_values
 
 
@@ -249,12 +251,15 @@ def refine_kernel(
     S1_CH: tl.constexpr, S1_DIM: tl.constexpr, S1_BITS: tl.constexpr, S1_NBYTES: tl.constexpr,
     S1_BYTE: tl.constexpr, S1_ROW: tl.constexpr,
     P_DIM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    LOCAL_K: tl.constexpr, BITONIC: tl.constexpr,
 ):
     """Exact float32 scores of one query against one chosen group of ``BLOCK_N`` rows.
 
-    Program ``(query, j)`` reads group ``groups[query, j]`` and writes the scores to
+    Program ``(query, j)`` reads group ``groups[query, j]``. ``LOCAL_K`` 0: writes the scores to
     ``out[query, j * BLOCK_N : (j + 1) * BLOCK_N]`` and the row numbers to the same slots of ``ids``
-    (``-inf`` / ``-1`` for rows past ``n``).
+    (``-inf`` / ``-1`` for rows past ``n``). Else writes only the best ``LOCAL_K < BLOCK_N`` of them as
+    :mod:`.topk` keys (int64: score, then lower row) to ``out[query, j * LOCAL_K ..]``, sorted descending
+    (``BITONIC``: see :func:`.topk.bitonic`); ``ids`` is unused.
     """
     query = tl.program_id(0)
     j = tl.program_id(1)
@@ -265,8 +270,11 @@ def refine_kernel(
                       packed_ptr, scale_ptr, bias_ptr, signs_ptr, sign_scale_ptr, levels_ptr, stride_packed, stride_signs,
                       S0_CH, S0_DIM, S0_BITS, S0_NBYTES, S0_BYTE, S0_ROW, S1_CH, S1_DIM, S1_BITS, S1_NBYTES,
                       S1_BYTE, S1_ROW, P_DIM, HAS_BIAS, BLOCK_N, BLOCK_B)
-    tl.store(out_ptr + slot * BLOCK_N + tl.arange(0, BLOCK_N), acc)
-    tl.store(ids_ptr + slot * BLOCK_N + tl.arange(0, BLOCK_N), tl.where(row_mask, rows, -1))
+    if LOCAL_K > 0:
+        tl.store(out_ptr + slot * LOCAL_K + tl.arange(0, LOCAL_K), best_keys(acc, rows, row_mask, LOCAL_K, BITONIC))
+    else:
+        tl.store(out_ptr + slot * BLOCK_N + tl.arange(0, BLOCK_N), acc)
+        tl.store(ids_ptr + slot * BLOCK_N + tl.arange(0, BLOCK_N), tl.where(row_mask, rows, -1))
 
 
 @triton.jit

@@ -13,8 +13,9 @@ pass (one split per row), decodes the best ``k_out`` of them. :func:`row_topk` c
 first splits each row over many programs (so that 100 queries × 8192 group maxima use 800 programs,
 not 100), each further pass merges ``K_PAD`` keys per split.
 
-Not fused into the refine kernel yet: the search runs group selection (two launches at 8192 groups),
-refine, and a one-launch final top-k over the ``(k + 8) · 128`` candidates.
+In the search, the refine kernel keeps each refined slice's best ``K_PAD`` as keys (:func:`best_keys`), so
+the final answer is one :func:`keys_topk` pass over ``(k + 8) · K_PAD`` keys instead of a top-k over all
+``(k + 8) · 128`` refined scores.
 """
 from __future__ import annotations
 
@@ -27,8 +28,11 @@ import triton.language as tl
 
 #: largest power-of-two key count kept per program (k or k + GROUP_MARGIN beyond it: torch.topk)
 MAX_K_PAD = 1024
-#: candidates per block (at least 2 · K_PAD, so that each pass shrinks its rows at least twofold)
-BLOCK = 1024
+#: candidates per block (at least 2 · K_PAD, so that each pass shrinks its rows at least twofold): ``BLOCK``, or
+#: ``BLOCK_FEW`` for fewer than ``SMALL_NQ`` rows; H200, 18 of 7,813 group maxima × 100 queries: 0.024 ms at 512, 0.035 at 1024, 0.028 at 256;
+#: 18 of 31,250 × 1 query: 0.015 ms at 1024, 0.023 at 512
+BLOCK = 512
+BLOCK_FEW = 1024
 #: at most this many programs per row in a pass (queries below ``SMALL_NQ``: ``MAX_SPLITS_FEW``)
 MAX_SPLITS = 32
 MAX_SPLITS_FEW = 128
@@ -76,6 +80,13 @@ def _top(keys, K_PAD: tl.constexpr, BITONIC: tl.constexpr):
             top = tl.where(pos == i, m, top)
             keys = tl.where(keys == m, -9223372036854775808, keys)
     return top
+
+
+@triton.jit
+def best_keys(values, ids, mask, K_PAD: tl.constexpr, BITONIC: tl.constexpr):
+    """The ``K_PAD`` best :func:`_keys` of the candidates ``values`` / ``ids`` ``(BLOCK ≥ K_PAD,)`` where ``mask``,
+    sorted descending (``INT64_MIN`` past the last candidate)."""
+    return _top(tl.where(mask, _keys(values, ids), -9223372036854775808), K_PAD, BITONIC)
 
 
 @triton.jit
@@ -186,19 +197,44 @@ def row_topk(
     if not supported(kc):
         best, pos = torch.topk(values, kc, dim=1)
         return best, pos if ids is None else ids.gather(1, pos)
+    return _passes(values, ids, None, kc, block)
+
+
+def keys_topk(keys: torch.Tensor, k: int, *, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`row_topk` of candidates given as :func:`_keys` ``(nq, length)`` int64 (``INT64_MIN``: no candidate,
+    decoded as ``-inf`` / ``-1``), for ``k`` with :func:`supported`: ``(values float32, ids int64)``, best first."""
+    nq, length = keys.shape
+    kc = min(k, length)
+    if not supported(kc):
+        raise ValueError(f"keys_topk needs k_pad(k) <= {MAX_K_PAD}, got k = {k}")
+    if kc == 0 or nq == 0:
+        return (torch.empty(nq, kc, dtype=torch.float32, device=keys.device),
+                torch.empty(nq, kc, dtype=torch.int64, device=keys.device))
+    return _passes(None, None, keys, kc, block)
+
+
+def _passes(
+    values: torch.Tensor | None, ids: torch.Tensor | None, keys: torch.Tensor | None, kc: int, block: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run :func:`topk_kernel` passes over float32 ``values`` (with ``ids``) or over ``keys`` until one program per row
+    remains; ``(values, ids)`` of the best ``kc ≥ 1`` per row."""
+    first_in = keys if values is None else values
+    nq, length = first_in.shape
+    device = first_in.device
     kp = k_pad(kc)
-    block = max(block or BLOCK, 2 * kp)
-    out_val = torch.empty(nq, kc, dtype=torch.float32, device=values.device)
-    out_idx = torch.empty(nq, kc, dtype=torch.int64, device=values.device)
-    src_keys, first = None, True
+    block = max(block or (BLOCK_FEW if nq < SMALL_NQ else BLOCK), 2 * kp)
+    out_val = torch.empty(nq, kc, dtype=torch.float32, device=device)
+    out_idx = torch.empty(nq, kc, dtype=torch.int64, device=device)
+    src_keys, first = keys, values is not None
     while True:
         splits, tiles = _plan(length, nq, block, kp)
         final = splits == 1
-        out_keys = out_idx if final else torch.empty(nq, splits * kp, dtype=torch.int64, device=values.device)
+        out_keys = out_idx if final else torch.empty(nq, splits * kp, dtype=torch.int64, device=device)
         topk_kernel[(nq, splits)](
-            values, values if ids is None else ids, out_idx if src_keys is None else src_keys, out_keys,
-            out_val, out_idx, length, values.stride(0) if first else src_keys.stride(0),
-            0 if ids is None else ids.stride(0), kc if final else splits * kp, kc,
+            out_val if values is None else values, out_idx if ids is None else ids,
+            out_idx if src_keys is None else src_keys, out_keys, out_val, out_idx, length,
+            values.stride(0) if first else src_keys.stride(0), 0 if ids is None else ids.stride(0),
+            kc if final else splits * kp, kc,
             KEYS_IN=not first, HAS_IDS=ids is not None and first, FINAL=final, WRITE_VALUES=True,
             K_PAD=kp, BLOCK=block, TILES=tiles, BITONIC=bitonic(), num_warps=_warps(block),
         )

@@ -107,7 +107,7 @@ def test_k_larger_than_n_pads(n: int) -> None:
 
 CONFIGS = [ops.TileConfig(16, 32, 64, rows_as_m=True, tiles=3, pair_lut=True),
            ops.TileConfig(32, 16, 64, rows_as_m=False, tiles=2, pair_lut=True),
-           ops.TileConfig(16, 32, 16, rows_as_m=False, tiles=4)]
+           ops.TileConfig(16, 32, 32, rows_as_m=False, tiles=4)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=["rows-as-m", "queries-as-m", "many-steps"])
@@ -128,6 +128,15 @@ def test_tilings(config: ops.TileConfig, bits: float, mode: str, dim: int) -> No
                                      value=float("-inf"))
     expected = padded.view(20, n_tiles, config.block_n).amax(2)
     assert ((group_max.cpu() - expected).abs().max() / expected.abs().max()).item() < 5e-3
+
+
+def test_tile_config_rejects_narrow_steps() -> None:
+    """16-channel dot steps miscompiled on the H200 (MIN_BLOCK_D); tiny dimensions pad up to 32 channels."""
+    with pytest.raises(ValueError, match="block_d"):
+        ops.TileConfig(16, 32, 16)
+    tq = TurboQuantizer(12, 4, seed=0)
+    assert ops.tile_config(100, tq.layout).block_d >= ops.MIN_BLOCK_D
+    assert ops.tile_config(3, tq.layout, exact=True).block_d >= ops.MIN_BLOCK_D
 
 
 MATVEC_LAYOUTS = [(2, "mse", 64), (3, "mse", 40), (4, "mse", 40), (3.5, "prod", 40)]

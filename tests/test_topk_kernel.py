@@ -117,10 +117,11 @@ def test_search_uses_kernels_and_matches_torch_path(monkeypatch: pytest.MonkeyPa
     block = tq.code_block(codes.to(DEVICE))
     rotated, _ = tq.rotate_queries(torch.randn(3, 40, generator=gen))
     calls = []
-    real = topk.row_topk
-    monkeypatch.setattr(topk, "row_topk", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for name in ("row_topk", "keys_topk"):
+        real = getattr(topk, name)
+        monkeypatch.setattr(topk, name, lambda *a, _n=name, _f=real, **kw: calls.append(_n) or _f(*a, **kw))
     got = ops.search(rotated.to(DEVICE), block, tq.table(DEVICE), 5)
-    assert len(calls) == 2  # group selection and final top-k
+    assert calls == ["row_topk", "keys_topk"]  # group selection, then the final top-k of the refined slices' best
     monkeypatch.setattr(ops, "USE_TRITON_TOPK", False)
     old = ops.search(rotated.to(DEVICE), block, tq.table(DEVICE), 5)
     assert torch.equal(got[0].cpu(), old[0].cpu()) and torch.equal(got[1].cpu(), old[1].cpu())
@@ -133,3 +134,21 @@ def test_select_groups_fewer_groups_than_kg() -> None:
     gm = _values(2, 5, "randn", 3).to(DEVICE)
     groups = ops.select_groups(gm, 5)
     assert sorted(groups[0].tolist()) == sorted(groups[1].tolist()) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("k", [1, 5, 16, 20])
+def test_refined_topk_local_keys_equal_all_scores(monkeypatch: pytest.MonkeyPatch, k: int) -> None:
+    """Refine keeping each slice's best k_pad(k) keys gives exactly the top-k of all refined scores (k = 20 under the
+    interpreter: k_pad = 32 is not below the 32-row slices, so every score is a candidate), ragged last group included."""
+    tq = TurboQuantizer(24, 3, seed=1)
+    gen = torch.Generator().manual_seed(k)
+    codes = tq.encode(torch.randn(250, 24, generator=gen))
+    block, table = tq.code_block(codes.to(DEVICE)), tq.table(DEVICE)
+    q = tq.rotate_queries(torch.randn(4, 24, generator=gen))[0].to(DEVICE)
+    groups = torch.tensor([[7, 0, 3], [1, 7, 2], [5, 4, 6], [0, 1, 2]], device=DEVICE)  # group 7: rows 224..249 of 256
+    scores, ids = ops._refine(q, None, groups, block, table, 32)
+    values, rows = ops.refined_topk(q, None, groups, block, table, 32, k)
+    _check((values, rows), scores.cpu(), k, ids.cpu())
+    monkeypatch.setattr(ops, "USE_TRITON_TOPK", False)
+    torch_values, torch_rows = ops.refined_topk(q, None, groups, block, table, 32, k)
+    assert torch.equal(values.cpu(), torch_values.cpu()) and torch.equal(rows.cpu(), torch_rows.cpu())
