@@ -9,8 +9,9 @@ share the KV head (GQA) attend to
   (at most two segments) per side;
 * up to two runs of *exact* tokens (attention sinks and the recent window), float16/bfloat16/float32.
 
-Two kernels, no ``(heads, tokens)`` score matrix in memory:
+Three kernels, no ``(heads, tokens)`` score matrix in memory:
 
+0. :func:`query_kernel`, grid ``(b·h·G,)``: ``q̃`` and the unrotated ``log2(e)·scaling·q`` the combine needs.
 1. :func:`split_kernel`, grid ``(b·h, splits)``: each program scores a contiguous slice of the coded
    tokens with ``tl.dot`` (float16 operands, float32 accumulation) against the rotated, pre-scaled
    queries ``q̃ = log2(e) · scaling · Π_k q``, runs an online base-2 softmax and accumulates
@@ -34,7 +35,7 @@ import triton.language as tl
 
 from tqvec.packing import Layout
 
-from .ops import interpreting, segment_args
+from .ops import MIN_BLOCK_D, interpreting, segment_args
 from .unpack import nibble_asm, nibble_values, segment_values
 
 if TYPE_CHECKING:
@@ -66,6 +67,20 @@ def _load_q(q_ptr, g, g_mask, CH: tl.constexpr, DIM: tl.constexpr, PAD: tl.const
     c = tl.arange(0, PAD)
     q = tl.load(q_ptr + g[:, None] * D + CH + c[None, :], mask=g_mask[:, None] & (c < DIM)[None, :], other=0.0)
     return q.to(tl.float16)
+
+
+@triton.jit
+def query_kernel(q_ptr, rot_ptr, qx_ptr, q_rot_ptr, stride_q, factor,
+                 DH: tl.constexpr, D: tl.constexpr, DH_PAD: tl.constexpr, D_PAD: tl.constexpr):
+    """Program ``row``: ``qx[row] = factor · q[row]`` ``(DH,)`` and ``q_rot[row] = qx[row] · rot`` ``(D,)``, float32;
+    ``rot`` ``(DH, D)`` float32 (the keys' rotation, channels in kernel order)."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, DH_PAD)
+    r = tl.arange(0, D_PAD)
+    q = tl.load(q_ptr + row * stride_q + c, mask=c < DH, other=0.0).to(tl.float32) * factor
+    tl.store(qx_ptr + row * DH + c, q, mask=c < DH)
+    rot = tl.load(rot_ptr + c[:, None] * D + r[None, :], mask=(c < DH)[:, None] & (r < D)[None, :], other=0.0)
+    tl.store(q_rot_ptr + row * D + r, tl.sum(q[:, None] * rot, axis=0), mask=r < D)
 
 
 @triton.jit(do_not_specialize=["n", "n_splits"])  # n grows by one per decode step: no recompiles
@@ -245,9 +260,10 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 #: on CUDA, decode 4-bit codes with PTX byte permutes (:func:`nibble_asm`) instead of a table gather
 ASM_DECODE = True
-#: rotated channels / exact tokens per step of :func:`combine_kernel`, and its warps
+#: rotated channels / exact tokens per step of :func:`combine_kernel`, and its warps (H200, batch 1, 32k tokens,
+#: graph-replayed, cold L2: 21.0 µs with 4 warps, 24.8 with 8; 64 rows against 32 or 128 rows: 21.0, 23.6, 21.7)
 COMBINE_ROWS = 64
-COMBINE_WARPS = 8
+COMBINE_WARPS = 4
 #: at most this many slices per head (the combine kernel merges them in one tile)
 MAX_SPLITS = 128
 _SM_COUNT: dict[int, int] = {}
@@ -302,8 +318,8 @@ def _segments(layout: Layout, prefix: str) -> dict[str, int]:
                for k, v in dict(CH=s * half, DIM=half, BITS=4, NBYTES=half, BYTE=0, ROW=0, NIB=nib).items()}
     else:
         out = segment_args(layout, prefix) | {f"{prefix}{s}_NIB": -1 for s in range(2)}
-    for s in range(2):
-        out[f"{prefix}{s}_PAD"] = max(16, triton.next_power_of_2(max(out[f"{prefix}{s}_DIM"], 1)))
+    for s in range(2):  # channels per tl.dot: at least MIN_BLOCK_D (16 miscompiled on the H200)
+        out[f"{prefix}{s}_PAD"] = max(MIN_BLOCK_D, triton.next_power_of_2(max(out[f"{prefix}{s}_DIM"], 1)))
     return out
 
 
@@ -328,8 +344,14 @@ def decode_attention(a: DecodeAttention) -> torch.Tensor:
         raise ValueError("keys and values must share the rotated dimension")
     dev = q.device
     block_n = 16 if interpret else BLOCK_N
-    qx = (q.float() * (a.scaling * LOG2E)).reshape(b * h * G, dh)
-    q_rot = qx @ _in_kernel_order(a.key_rotation, keys.table.layout, 1)
+    q_rows = q.reshape(b * h * G, dh)
+    if q_rows.stride(1) != 1:
+        q_rows = q_rows.contiguous()
+    qx = torch.empty(b * h * G, dh, dtype=torch.float32, device=dev)
+    q_rot = torch.empty(b * h * G, D, dtype=torch.float32, device=dev)
+    query_kernel[(b * h * G,)](q_rows, _in_kernel_order(a.key_rotation, keys.table.layout, 1), qx, q_rot,
+                               q_rows.stride(0), a.scaling * LOG2E, DH=dh, D=D, DH_PAD=triton.next_power_of_2(dh),
+                               D_PAD=triton.next_power_of_2(D), num_warps=8)
     back = _in_kernel_order(a.value_back, values.table.layout, 0)
     n = a.n_codes
     splits = _n_splits(dev, b * h, n, interpret) if n else 1
