@@ -157,6 +157,20 @@ def new_ids(ids: Any, n: int, next_id: int, table: tuple[np.ndarray, np.ndarray]
     return new
 
 
+def search_results(
+    metric: str, q: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor, ids: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """FAISS-style ``(D, I)`` float32 / int64 ``(nq, k)`` from estimated inner products ``scores`` of queries ``q`` and
+    their ``rows`` (−1: no result, given D ``±inf`` and I −1), ``ids[row]`` the stored id. L2 distances are
+    ``‖q‖² − 2·score`` clamped at 0 (an estimate can dip below; clamping keeps D ascending)."""
+    rows_np = rows.cpu().numpy()
+    labels = np.where(rows_np >= 0, ids[rows_np.clip(0)] if len(ids) else -1, -1)
+    if metric == "l2":
+        distances = ((q * q).sum(1, keepdim=True) - 2 * scores).clamp_min(0).masked_fill(rows < 0, float("inf"))
+        return distances.cpu().numpy().astype(np.float32), labels
+    return scores.masked_fill(rows < 0, float("-inf")).cpu().numpy().astype(np.float32), labels
+
+
 class Index:
     """Flat TurboQuant index (module docstring: budget, scoring, concurrency).
 
@@ -451,7 +465,7 @@ class Index:
         values, rows = scan.search(rotated, block, self.quantizer.table(self.device), k * (rerank or 1), projected)
         if rerank is not None:
             values, rows = self._rerank(shifted, live, bias, rows, k)
-        return self._finish(q, values + constant[:, None], rows, live.ids)
+        return search_results(self.metric, q, values + constant[:, None], rows, live.ids)
 
     def score(self, queries: Any, ids: Any) -> np.ndarray:
         """The estimates ``search`` ranks by, for given ``ids``: ``(nq, len(ids))`` float32 scores
@@ -488,15 +502,6 @@ class Index:
         values = values.masked_fill(rows < 0, float("-inf"))
         top, pos = torch.topk(values, k, dim=1)
         return top, torch.gather(rows, 1, pos).masked_fill(top == float("-inf"), -1)
-
-    def _finish(self, q: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        rows_np = rows.cpu().numpy()
-        labels = np.where(rows_np >= 0, ids[rows_np.clip(0)] if len(ids) else -1, -1)
-        if self.metric == "l2":
-            # estimates: not clamped at 0, so that D keeps the order the scan ranked by
-            distances = ((q * q).sum(1, keepdim=True) - 2 * scores).masked_fill(rows < 0, float("inf"))
-            return distances.cpu().numpy().astype(np.float32), labels
-        return scores.masked_fill(rows < 0, float("-inf")).cpu().numpy().astype(np.float32), labels
 
     # ------------------------------------------------------------------ persistence
     def _config(self) -> dict[str, Any]:

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from . import scan, storage
-from .index import CORRECTIONS, METRICS, new_ids, rows_of_ids, sort_ids
+from .index import CORRECTIONS, METRICS, new_ids, rows_of_ids, search_results, sort_ids
 from .quantizer import Codes, TurboQuantizer
 from .validation import as_float_matrix, as_ids, check_bits, check_choice, check_positive_int
 
@@ -458,7 +458,7 @@ class IVFIndex:
         nq, depth = q.shape[0], k * (rerank or 1)
         if snap.size == 0 or centroids is None:
             values = torch.full((nq, k), float("-inf"), device=q.device)
-            return self._finish(q, values, torch.full((nq, k), -1, dtype=torch.int64, device=q.device), snap.ids)
+            return search_results(self.metric, q, values, torch.full((nq, k), -1, dtype=torch.int64, device=q.device), snap.ids)
         nprobe = min(nprobe, self.nlist)
         qc = q @ centroids.T  # (nq, nlist)
         if self.metric == "ip":
@@ -477,7 +477,7 @@ class IVFIndex:
             values, rows = self._search_lists(snap, rotated, projected, probe, constant, depth)
         if rerank is not None:
             values, rows = self._rerank(q, snap, rows, k)
-        return self._finish(q, values, rows, snap.ids)
+        return search_results(self.metric, q, values, rows, snap.ids)
 
     def _block(self, t: dict[str, torch.Tensor], extra_bias: torch.Tensor) -> scan.CodeBlock:
         """The scan's view of gathered rows ``t``, with ``extra_bias`` ``(n,)`` added to the stored bias."""
@@ -552,14 +552,6 @@ class IVFIndex:
         if self.encoding == "direct":
             return torch.zeros_like(rows)
         return self._row_lists(snap)[rows]
-
-    def _finish(self, q: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        rows_np = rows.cpu().numpy()
-        labels = np.where(rows_np >= 0, ids[rows_np.clip(0)] if len(ids) else -1, -1)
-        if self.metric == "l2":
-            distances = ((q * q).sum(1, keepdim=True) - 2 * scores).clamp_min(0).masked_fill(rows < 0, float("inf"))
-            return distances.cpu().numpy().astype(np.float32), labels
-        return scores.masked_fill(rows < 0, float("-inf")).cpu().numpy().astype(np.float32), labels
 
     # ------------------------------------------------------------------ persistence
     def _config(self) -> dict[str, Any]:
