@@ -119,16 +119,17 @@ def _passkey_agreement(lm, passkeys, make) -> tuple[int, list[tuple[int, bool, b
 @pytest.mark.parametrize("bits", [4, 3.5])
 def test_passkey_agrees_with_full_cache(lm, passkeys, bits: float) -> None:
     model, _ = lm
-    assert sum(hit for *_, hit in passkeys) >= PASSKEY_MIN_AGREEMENT  # the trials are answerable at all
+    assert all(hit for *_, hit in passkeys)  # the full cache answers every trial (margins 3.7–4.3 nats)
     agree, rows = _passkey_agreement(lm, passkeys, lambda: TurboQuantCache(model.config, key_bits=bits, value_bits=bits))
     assert agree >= PASSKEY_MIN_AGREEMENT, rows
 
 
 def test_passkey_bound_can_fail(lm, passkeys) -> None:
-    """3-bit keys without rescaling (the old default) lose the needles the full cache finds."""
+    """2-bit keys without rescaling lose the needles the full cache finds (1 of 6 kept when measured; with rescaling,
+    the default, 2 bits keep all 6)."""
     model, _ = lm
     agree, rows = _passkey_agreement(
-        lm, passkeys, lambda: TurboQuantCache(model.config, key_bits=3, value_bits=3, key_rescale=False))
+        lm, passkeys, lambda: TurboQuantCache(model.config, key_bits=2, value_bits=2, key_rescale=False))
     assert agree < PASSKEY_MIN_AGREEMENT, rows
 
 

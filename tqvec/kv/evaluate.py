@@ -112,8 +112,15 @@ def compare(reference: torch.Tensor, test: torch.Tensor, targets: torch.Tensor) 
 
 
 def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Context ids ``(1, ≈n_tokens)`` with the key at relative ``depth``, and question ids ``(1, q)``."""
-    head = "There is important info hidden inside a lot of irrelevant text. Find it and memorize it.\n"
+    """Context ids ``(1, ≈n_tokens)`` with the key at relative ``depth``, and question ids ``(1, q)``.
+
+    The question asks for "the number only": after a bare "What is the pass key? The pass key is", SmolLM2's first
+    answer token hesitated between " a" ("…is a magical key that…") and the key's leading space (margins 0.02–0.31
+    nats either way) while, teacher-forced, the digits won by 4–8 nats: a coin flip unrelated to retrieval, on which
+    the full cache missed 6 of 24 trials. With this question it retrieves all 24 (smallest margin 2.2 nats).
+    """
+    head = ("There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
+            "I will quiz you about the pass key.\n")
     needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
     filler_ids = tokenizer(FILLER * (n_tokens // 10), add_special_tokens=False).input_ids
     budget = n_tokens - len(tokenizer(head + needle).input_ids)
@@ -121,7 +128,8 @@ def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: int) -> tuple[to
     cut = int(len(filler_ids) * depth)
     before, after = tokenizer.decode(filler_ids[:cut]), tokenizer.decode(filler_ids[cut:])
     context = tokenizer(head + before + needle + after, return_tensors="pt").input_ids
-    question = tokenizer("\nWhat is the pass key? The pass key is", add_special_tokens=False, return_tensors="pt").input_ids
+    question = tokenizer("\nWhat is the pass key? Answer with the number only. The pass key is",
+                         add_special_tokens=False, return_tensors="pt").input_ids
     return context, question
 
 
