@@ -421,9 +421,10 @@ def test_tail_code_bad_files_and_input(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("make", [lambda: Index(64, 3, "l2"), lambda: IVFIndex(64, 8, 3, "l2")], ids=["flat", "ivf"])
-def test_l2_distances_are_never_negative(make) -> None:
-    """Self-queries estimate ‖q‖² − 2⟨q, x̂⟩ slightly below 0 (by ~1e-5 in float32 here); both indexes return
-    FAISS-style distances ≥ 0, still ascending (one rule: tqvec.index.search_results)."""
+def test_l2_distances_are_unclamped_estimates(make) -> None:
+    """One rule for both indexes (tqvec.index.search_results): D = ‖q‖² − 2·estimated score, ascending, not clamped at
+    0, so a self-query's distance is an estimate around 0 (the flat index's within 1e-3 here; the IVF index's residual
+    codes err by up to a few units, and it used to clamp them to 0)."""
     x = np.random.default_rng(0).standard_normal((2000, 64)).astype(np.float32)
     index = make()
     if isinstance(index, IVFIndex):
@@ -431,5 +432,8 @@ def test_l2_distances_are_never_negative(make) -> None:
         index.nprobe = 8
     index.add(x)
     distances, labels = index.search(x[:50], 5)
-    assert (distances >= 0).all() and (np.diff(distances, axis=1) >= 0).all()
-    assert (labels[:, 0] == np.arange(50)).mean() > 0.9
+    assert (np.diff(distances, axis=1) >= 0).all()
+    self_hit = labels[:, 0] == np.arange(50)
+    assert self_hit.mean() > 0.9 and (distances[self_hit, 0] < 0).any()  # unclamped: some estimates fall below 0
+    if isinstance(index, Index):
+        assert np.abs(distances[self_hit, 0]).max() < 1e-3

@@ -161,17 +161,77 @@ def search_results(
     metric: str, q: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor, ids: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """FAISS-style ``(D, I)`` float32 / int64 ``(nq, k)`` from estimated inner products ``scores`` of queries ``q`` and
-    their ``rows`` (−1: no result, given D ``±inf`` and I −1), ``ids[row]`` the stored id. L2 distances are
-    ``‖q‖² − 2·score`` clamped at 0 (an estimate can dip below; clamping keeps D ascending)."""
+    their ``rows`` (−1: no result, given D ``±inf`` and I −1), ``ids[row]`` the stored id. L2 distances are the
+    estimates ``‖q‖² − 2·score``, not clamped at 0: at low rates they can fall far below (−49 at 1.5 bits in
+    ``tests/test_index.py``), and clamping would flatten the ranking D reports."""
     rows_np = rows.cpu().numpy()
     labels = np.where(rows_np >= 0, ids[rows_np.clip(0)] if len(ids) else -1, -1)
     if metric == "l2":
-        distances = ((q * q).sum(1, keepdim=True) - 2 * scores).clamp_min(0).masked_fill(rows < 0, float("inf"))
+        distances = ((q * q).sum(1, keepdim=True) - 2 * scores).masked_fill(rows < 0, float("inf"))
         return distances.cpu().numpy().astype(np.float32), labels
     return scores.masked_fill(rows < 0, float("-inf")).cpu().numpy().astype(np.float32), labels
 
 
-class Index:
+class CodedRows:
+    """The per-vector row layout that :class:`Index` and :class:`tqvec.ivf.IVFIndex` share: packed codes (and QJL
+    bits in ``prod`` mode) from ``quantizer``, side fields ``side_fields`` (name → stored dtype), an optional
+    rerank code from ``fine_quantizer``. Subclasses set those and ``dim``, ``bits``, ``mode``, ``correction``,
+    ``device``, and define ``__len__``."""
+
+    dim: int
+    bits: float
+    mode: str
+    correction: str
+    device: torch.device
+    side_fields: dict[str, torch.dtype]
+    quantizer: TurboQuantizer
+    fine_quantizer: TurboQuantizer | None
+
+    @staticmethod
+    def _side_bytes(fields: dict[str, torch.dtype]) -> int:
+        return sum(torch.empty(0, dtype=dtype).element_size() for dtype in fields.values())
+
+    def _budget_quantizer(self, code_bytes: int, seed: int, rotation: str) -> TurboQuantizer:
+        """The quantizer whose packed codes (and QJL bits) fill ``code_bytes`` bytes per vector."""
+        rescale = self.mode == "mse" and self.correction != "none"
+        try:
+            return TurboQuantizer.for_bytes(self.dim, code_bytes, self.mode, rotation, seed, rescale)
+        except ValueError as err:
+            raise ValueError(f"bits={self.bits:g}: {err} (side information {tuple(self.side_fields)} needs "
+                             f"{self._side_bytes(self.side_fields)} bytes)") from err
+
+    def _empty_tensors(self) -> dict[str, torch.Tensor]:
+        """Zero-row tensors of every stored field, on ``device``."""
+        dev = self.device
+        tensors = {"packed": torch.zeros(0, self.quantizer.layout.row_bytes, dtype=torch.uint8, device=dev)}
+        tensors.update({name: torch.zeros(0, dtype=dtype, device=dev) for name, dtype in self.side_fields.items()})
+        if self.mode == "prod":
+            tensors["qjl"] = torch.zeros(0, math.ceil(self.quantizer.rotated_dim / 8), dtype=torch.uint8, device=dev)
+        if self.fine_quantizer is not None:
+            tensors["fine_packed"] = torch.zeros(0, self.fine_quantizer.layout.row_bytes, dtype=torch.uint8, device=dev)
+            tensors["fine_scale"] = torch.zeros(0, dtype=torch.float32, device=dev)
+        return tensors
+
+    @property
+    def ntotal(self) -> int:
+        """Number of stored vectors (FAISS name)."""
+        return len(self)
+
+    @property
+    def code_bytes_per_vector(self) -> int:
+        """Bytes per vector that scoring reads: codes, QJL bits and side information (≤ the budget)."""
+        q = self.quantizer
+        qjl = math.ceil(q.rotated_dim / 8) if self.mode == "prod" else 0
+        return q.layout.row_bytes + qjl + self._side_bytes(self.side_fields)
+
+    @property
+    def rerank_bytes_per_vector(self) -> int:
+        """Extra bytes per vector of the rerank code (0 without ``rerank_bits``)."""
+        fq = self.fine_quantizer
+        return 0 if fq is None else fq.layout.row_bytes + 4
+
+
+class Index(CodedRows):
     """Flat TurboQuant index (module docstring: budget, scoring, concurrency).
 
     ``dim``; ``bits`` per-dimension storage budget (≥ 1, fractional allowed); ``metric`` "ip" | "l2" |
@@ -229,10 +289,6 @@ class Index:
         self._sorted: tuple[np.ndarray, np.ndarray] | None = None
         self._rows = _Rows(self._empty_tensors(), np.zeros(0, np.int64), 0)
 
-    @staticmethod
-    def _side_bytes(fields: dict[str, torch.dtype]) -> int:
-        return sum(torch.empty(0, dtype=dtype).element_size() for dtype in fields.values())
-
     def _tail_layout(self, rotation: str) -> Layout | None:
         """The code layout of the whole budget with ≥ ``TAIL_MIN_BITS`` spare bits for the bias code and at
         least 1 bit on every channel, or None."""
@@ -243,52 +299,14 @@ class Index:
             return None
         return layout if layout.bits_per_row >= channels else None
 
-    def _budget_quantizer(self, code_bytes: int, seed: int, rotation: str) -> TurboQuantizer:
-        """The quantizer whose packed codes (and QJL bits) fill ``code_bytes`` bytes per vector."""
-        rescale = self.mode == "mse" and self.correction != "none"
-        try:
-            return TurboQuantizer.for_bytes(self.dim, code_bytes, self.mode, rotation, seed, rescale)
-        except ValueError as err:
-            raise ValueError(f"bits={self.bits:g}: {err} (side information {tuple(self.side_fields)} needs "
-                             f"{self._side_bytes(self.side_fields)} bytes)") from err
-
-    def _empty_tensors(self) -> dict[str, torch.Tensor]:
-        dev = self.device
-        tensors = {"packed": torch.zeros(0, self.quantizer.layout.row_bytes, dtype=torch.uint8, device=dev)}
-        tensors.update({name: torch.zeros(0, dtype=dtype, device=dev) for name, dtype in self.side_fields.items()})
-        if self.mode == "prod":
-            tensors["qjl"] = torch.zeros(0, math.ceil(self.quantizer.rotated_dim / 8), dtype=torch.uint8, device=dev)
-        if self.fine_quantizer is not None:
-            tensors["fine_packed"] = torch.zeros(0, self.fine_quantizer.layout.row_bytes, dtype=torch.uint8, device=dev)
-            tensors["fine_scale"] = torch.zeros(0, dtype=torch.float32, device=dev)
-        return tensors
-
     # ------------------------------------------------------------------ properties
     def __len__(self) -> int:
         return self._rows.size
 
     @property
-    def ntotal(self) -> int:
-        """Number of stored vectors (FAISS name)."""
-        return len(self)
-
-    @property
     def center(self) -> np.ndarray | None:
         """The centering vector ``c`` (dim,) float32, or None."""
         return None if self._center is None else self._center.cpu().numpy()
-
-    @property
-    def code_bytes_per_vector(self) -> int:
-        """Bytes per vector that scoring reads: codes, QJL bits and side information (≤ the budget)."""
-        q = self.quantizer
-        qjl = math.ceil(q.rotated_dim / 8) if self.mode == "prod" else 0
-        return q.layout.row_bytes + qjl + self._side_bytes(self.side_fields)
-
-    @property
-    def rerank_bytes_per_vector(self) -> int:
-        """Extra bytes per vector of the rerank code (0 without ``rerank_bits``)."""
-        fq = self.fine_quantizer
-        return 0 if fq is None else fq.layout.row_bytes + 4
 
     @property
     def bytes_per_vector(self) -> int:

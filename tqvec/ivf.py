@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from . import scan, storage
-from .index import CORRECTIONS, METRICS, new_ids, rows_of_ids, search_results, sort_ids
+from .index import CORRECTIONS, METRICS, CodedRows, new_ids, rows_of_ids, search_results, sort_ids
 from .quantizer import Codes, TurboQuantizer
 from .validation import as_float_matrix, as_ids, check_bits, check_choice, check_positive_int
 
@@ -115,7 +115,7 @@ def _assign(x: torch.Tensor, centroids: torch.Tensor, by_ip: bool, block: int = 
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64, device=x.device)
 
 
-class IVFIndex:
+class IVFIndex(CodedRows):
     """Inverted-file TurboQuant index (module docstring: partition, encoding, budget, search).
 
     ``dim``; ``nlist`` lists; ``bits`` per-dimension storage budget as for ``Index``; ``metric`` "ip" | "l2"
@@ -160,7 +160,8 @@ class IVFIndex:
         self.correction = correction
         self.side_fields = self._side_fields(correction)
         self.device = torch.device(device)
-        self.quantizer = self._budget_quantizer(self.row_bytes - self._side_bytes(self.side_fields), rotation)
+        code_bytes = self.row_bytes - self._side_bytes(self.side_fields)
+        self.quantizer = self._budget_quantizer(code_bytes, self.seed, rotation)
         self.fine_quantizer = None
         if rerank_bits is not None:
             self.fine_quantizer = TurboQuantizer(dim, check_bits(rerank_bits), "mse", rotation, seed + 1, rescale=True)
@@ -178,47 +179,20 @@ class IVFIndex:
                                tuple(t[:0] for t in self._list_capacity), 0)
 
     # ------------------------------------------------------------------ configuration
-    def _side_fields(self, correction: str) -> tuple[str, ...]:
-        """Per-vector side fields: the scale (unless plain unit-norm direct cosine codes), bias, QJL norm."""
+    def _side_fields(self, correction: str) -> dict[str, torch.dtype]:
+        """Per-vector side fields (all ``side_dtype``): the scale (unless plain unit-norm direct cosine codes), bias,
+        QJL norm."""
         unit = self.metric == "cosine" and self.encoding == "direct" and correction == "none"
-        fields = () if unit else ("scale",)
+        names = () if unit else ("scale",)
         if correction == "center" or self.metric == "l2":
-            fields += ("bias",)
+            names += ("bias",)
         if self.mode == "prod":
-            fields += ("residual",)
-        return fields
-
-    def _side_bytes(self, fields: tuple[str, ...]) -> int:
-        return len(fields) * torch.finfo(self.side_dtype).bits // 8
-
-    def _budget_quantizer(self, code_bytes: int, rotation: str) -> TurboQuantizer:
-        """The quantizer whose packed codes (and QJL bits) fill ``code_bytes`` bytes per vector."""
-        rescale = self.mode == "mse" and self.correction != "none"
-        try:
-            return TurboQuantizer.for_bytes(self.dim, code_bytes, self.mode, rotation, self.seed, rescale)
-        except ValueError as err:
-            raise ValueError(f"bits={self.bits:g}: {err} (side information {tuple(self.side_fields)} needs "
-                             f"{self._side_bytes(self.side_fields)} bytes)") from err
-
-    def _empty_tensors(self) -> dict[str, torch.Tensor]:
-        dev, side = self.device, self.side_dtype
-        tensors = {"packed": torch.zeros(0, self.quantizer.layout.row_bytes, dtype=torch.uint8, device=dev)}
-        tensors.update({name: torch.zeros(0, dtype=side, device=dev) for name in self.side_fields})
-        if self.mode == "prod":
-            tensors["qjl"] = torch.zeros(0, math.ceil(self.quantizer.rotated_dim / 8), dtype=torch.uint8, device=dev)
-        if self.fine_quantizer is not None:
-            tensors["fine_packed"] = torch.zeros(0, self.fine_quantizer.layout.row_bytes, dtype=torch.uint8, device=dev)
-            tensors["fine_scale"] = torch.zeros(0, dtype=torch.float32, device=dev)
-        return tensors
+            names += ("residual",)
+        return dict.fromkeys(names, self.side_dtype)
 
     # ------------------------------------------------------------------ properties
     def __len__(self) -> int:
         return self._snap.size
-
-    @property
-    def ntotal(self) -> int:
-        """Number of stored vectors (FAISS name)."""
-        return len(self)
 
     @property
     def is_trained(self) -> bool:
@@ -228,19 +202,6 @@ class IVFIndex:
     def list_sizes(self) -> np.ndarray:
         """Vectors per list ``(nlist,)`` int64."""
         return np.array([len(t) for t in self._snap.lists], dtype=np.int64)
-
-    @property
-    def code_bytes_per_vector(self) -> int:
-        """Bytes per vector that scoring reads: codes, QJL bits and side information (≤ the budget)."""
-        q = self.quantizer
-        qjl = math.ceil(q.rotated_dim / 8) if self.mode == "prod" else 0
-        return q.layout.row_bytes + qjl + self._side_bytes(self.side_fields)
-
-    @property
-    def rerank_bytes_per_vector(self) -> int:
-        """Extra bytes per vector of the rerank code (0 without ``rerank_bits``)."""
-        fq = self.fine_quantizer
-        return 0 if fq is None else fq.layout.row_bytes + 4
 
     @property
     def bytes_per_vector(self) -> int:
@@ -323,7 +284,7 @@ class IVFIndex:
             if self.correction == "center" and base is not None:
                 bias = (base * (u - self.quantizer.decode(codes))).sum(1)
             side["bias"] = bias - 0.5 * (x * x).sum(1) if self.metric == "l2" else bias
-        out.update({name: side[name].to(self.side_dtype) for name in self.side_fields})
+        out.update({name: side[name].to(dtype) for name, dtype in self.side_fields.items()})
         if self.mode == "prod":
             out["qjl"] = codes.qjl
         if self.fine_quantizer is not None:
