@@ -29,8 +29,8 @@ import triton.language as tl
 #: largest power-of-two key count kept per program (k or k + GROUP_MARGIN beyond it: torch.topk)
 MAX_K_PAD = 1024
 #: candidates per block (at least 2 · K_PAD, so that each pass shrinks its rows at least twofold): ``BLOCK``, or
-#: ``BLOCK_FEW`` for fewer than ``SMALL_NQ`` rows; H200, 18 of 7,813 group maxima × 100 queries: 0.024 ms at 512, 0.035 at 1024, 0.028 at 256;
-#: 18 of 31,250 × 1 query: 0.015 ms at 1024, 0.023 at 512
+#: ``BLOCK_FEW`` for fewer than ``SMALL_NQ`` rows. H200, 18 of 7,813 group maxima × 100 queries: 0.024 ms at 512,
+#: 0.035 at 1024, 0.028 at 256; 18 of 31,250 × 1 query: 0.015 ms at 1024, 0.023 at 512
 BLOCK = 512
 BLOCK_FEW = 1024
 #: at most this many programs per row in a pass (queries below ``SMALL_NQ``: ``MAX_SPLITS_FEW``)
