@@ -152,3 +152,24 @@ def test_refined_topk_local_keys_equal_all_scores(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(ops, "USE_TRITON_TOPK", False)
     torch_values, torch_rows = ops.refined_topk(q, None, groups, block, table, 32, k)
     assert torch.equal(values.cpu(), torch_values.cpu()) and torch.equal(rows.cpu(), torch_rows.cpu())
+
+
+def _host_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The kernels' int64 keys (kernels/topk.py, _keys), built with torch."""
+    bits = values.view(torch.int32)
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long()
+    return (ordered << 32) | ((1 << 32) - 1 - (ids & 0xFFFFFFFF))
+
+
+def test_keys_topk_equals_row_topk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Candidates given as keys (what refine writes) select like the same values and ids; INT64_MIN pads."""
+    values = _values(3, 90, "ties", seed=4)
+    ids = torch.stack([torch.randperm(1000, generator=torch.Generator().manual_seed(r))[:90] for r in range(3)])
+    keys = _host_keys(values, ids)
+    keys[:, -7:] = torch.iinfo(torch.int64).min  # no candidate: decoded as -inf / -1
+    values[:, -7:], ids[:, -7:] = float("-inf"), -1
+    got = topk.keys_topk(keys.to(DEVICE), 9, block=16)
+    _check(got, values, 9, ids)
+    monkeypatch.setattr(topk, "MAX_K_PAD", 4)  # no torch.topk fallback for keys: a clear error instead
+    with pytest.raises(ValueError, match="k_pad"):
+        topk.keys_topk(keys.to(DEVICE), 6)
