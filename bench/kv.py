@@ -221,7 +221,9 @@ def _markdown(args, results, passkey, command: str, seconds: float, rendered: st
         "# KV cache quality: SmolLM2-135M-Instruct (Q4_1 weights, float32 compute), CPU", "",
         f"Command: `{command}` ({seconds / 60:.1f} min).{rendered}", "",
         f"Texts: {', '.join(args.texts)}; {args.tokens} tokens each: prefill {args.prefill} (exact attention), then "
-        f"chunks of {args.chunk} tokens that read the cache; window {args.window} exact tokens for tqvec; "
+        f"chunks of {args.chunk} tokens that read the cache; window {args.window} exact tokens for tqvec (plus up to 15 "
+        "awaiting compression in one-token passkey steps: TurboQuantCache's default compress_chunk 16; chunks of 16 "
+        "or more tokens compress at once); "
         "QuantizedCache's residual_length is set to the same, but it quantizes the whole prefill at once "
         "(its window only holds tokens added after the prefill). Δppl, KL(full ‖ cache) and top-1 agreement "
         "against the full-precision cache on the same tokens. bytes/token: stored bytes per compressed token, all 30 "

@@ -21,7 +21,8 @@ def _layer(bits: float, d: int, tokens: int, batch: int = 1, heads: int = 2, win
     g = torch.Generator().manual_seed(seed)
     k = (torch.randn(batch, heads, tokens, d, generator=g) + 0.5).to(device)
     v = (torch.randn(batch, heads, tokens, d, generator=g) - 0.25).to(device)
-    layer = TurboQuantLayer(HeadCodec(d, bits, split=split), HeadCodec(d, bits, split=split, seed=1000), window, sinks)
+    layer = TurboQuantLayer(HeadCodec(d, bits, split=split), HeadCodec(d, bits, split=split, seed=1000), window, sinks,
+                            compress_chunk=1)  # short streams: compress whatever leaves the window
     layer.update(k[:, :, :-1], v[:, :, :-1])
     handle, _ = layer.update(k[:, :, -1:], v[:, :, -1:])
     return handle, k, v, g

@@ -40,7 +40,8 @@ def test_attention_over_codes_matches_exact(bits: float, mode: str, tol: float) 
     layer.update(k[:, :, :-5], v[:, :, :-5])
     handle, _ = layer.update(k[:, :, -5:], v[:, :, -5:])
     assert handle.n_sinks == 4 and torch.equal(handle.sink_keys, k[:, :, :4])
-    assert handle.n_codes == 300 - 5 - 16 - 4 and layer.key_store.length == 300 - 16 - 4
+    # the 5 new tokens push 5 < compress_chunk (16) tokens out of the window: they stay exact for now
+    assert handle.n_codes == 300 - 5 - 16 - 4 and layer.key_store.length == 300 - 5 - 16 - 4
     mask = torch.ones(2, 1, 5, 300, dtype=torch.bool).tril(300 - 5)
     out = compressed_attention(handle, q, mask, 64 ** -0.5)
     ref = _exact(q, k, v, mask)
@@ -105,10 +106,19 @@ def test_window_keeps_newest_tokens_exact_and_frees_old_ones() -> None:
     assert torch.equal(layer.keys, k[:, :, 72:200])
     # the window is its own storage: no view keeps the 200-token prefill alive
     assert layer.keys.untyped_storage().nbytes() == layer.keys.numel() * layer.keys.element_size()
+    every_step = _layer(4, window=128)
+    every_step.compress_chunk = 1
+    every_step.update(k[:, :, :200], v[:, :, :200])
     for i in range(200, 300):
-        layer.update(k[:, :, i:i + 1], v[:, :, i:i + 1])
-    assert layer.key_store.length == 168 and layer.get_seq_length() == 300
-    assert torch.equal(layer.keys, k[:, :, 172:300])
+        for one in (layer, every_step):
+            one.update(k[:, :, i:i + 1], v[:, :, i:i + 1])
+            assert 128 <= one.keys.shape[2] < 128 + one.compress_chunk
+    # one-token steps: tokens leaving the window are compressed 16 at a time (96 of 100 so far), or every step
+    assert layer.key_store.length == 68 + 96 and layer.get_seq_length() == 300
+    assert torch.equal(layer.keys, k[:, :, 168:300])
+    assert every_step.key_store.length == 168 and torch.equal(every_step.keys, k[:, :, 172:300])
+    chunked, stepped = (one.key_store.fields[0]["packed"][:, :, :164] for one in (layer, every_step))
+    assert (chunked == stepped).float().mean() > 0.99  # the same codes, up to float rounding of batched encodes
 
 
 def test_nbytes_is_exact_and_compressed() -> None:

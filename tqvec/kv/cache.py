@@ -6,7 +6,10 @@ Per full-attention layer (:class:`TurboQuantLayer`):
   ``sink_values``): on SmolLM2 the first token's quantization error alone more than doubles the
   attention-distribution KL at 4 bits (measured offline: 0.0129 → 0.0051 nats when it is kept).
   With left padding the first positions of a padded row are pads, so that row's sink is compressed;
-* the newest ``window`` tokens stay in full precision (``keys`` / ``values``, ``(b, h, ≤window, d)``);
+* the newest ``window`` tokens stay in full precision (``keys`` / ``values``, ``(b, h, t, d)``); tokens
+  leaving it are compressed once at least ``compress_chunk`` (default 16) have accumulated, so the window
+  holds up to ``window + compress_chunk − 1`` tokens and a one-token decode step usually only appends
+  (the encode's launches run on one step in 16);
 * older tokens are centered (per (batch row, KV head) means, computed once, from all non-sink tokens
   present when the layer first compresses), channel-permuted (outliers first, see :mod:`tqvec.kv.codec`),
   encoded into a :class:`~tqvec.kv.store.CodeStore`, and their full-precision copies are dropped
@@ -71,12 +74,13 @@ class TurboQuantLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
 
-    def __init__(self, key_codec: HeadCodec, value_codec: HeadCodec, window: int = 128, sinks: int = 4) -> None:
+    def __init__(self, key_codec: HeadCodec, value_codec: HeadCodec, window: int = 128, sinks: int = 4,
+                 compress_chunk: int = 16) -> None:
         super().__init__()
-        if window < 0 or sinks < 0:
-            raise ValueError(f"window and sinks must be >= 0, got {window}, {sinks}")
+        if window < 0 or sinks < 0 or compress_chunk < 1:
+            raise ValueError(f"need window >= 0, sinks >= 0, compress_chunk >= 1, got {window}, {sinks}, {compress_chunk}")
         self.key_codec, self.value_codec = key_codec, value_codec
-        self.window, self.sinks = int(window), int(sinks)
+        self.window, self.sinks, self.compress_chunk = int(window), int(sinks), int(compress_chunk)
         self._clear()
 
     def _clear(self) -> None:
@@ -109,7 +113,7 @@ class TurboQuantLayer(CacheLayerMixin):
             keys, values = keys[:, :, take:], values[:, :, take:]
         handle = CompressedKV(self, self.sink_keys, self.sink_values, self.key_store.length, keys, values)
         overflow = keys.shape[2] - self.window
-        if overflow > 0:
+        if overflow >= self.compress_chunk:
             if self.key_mean is None:
                 self._init_statistics(keys, values)
             self.key_store.append(_permute(keys[:, :, :overflow].float() - self.key_mean[:, :, None], self.key_perm))
@@ -203,8 +207,10 @@ class TurboQuantCache(Cache):
 
     ``key_bits`` / ``value_bits``: bits per channel (1–8, fractional allowed, see
     :mod:`tqvec.kv.codec`); ``key_mode``: ``"mse"`` or ``"prod"`` (values always ``mse``);
-    ``window``: newest tokens kept in full precision; ``sinks``: first tokens kept in full precision; ``key_rescale`` / ``value_rescale``:
-    TurboQuantizer's ``rescale`` (``mse`` only); ``split``: ``"outlier"`` or ``"rotated"``.
+    ``window``: newest tokens kept in full precision; ``sinks``: first tokens kept in full precision;
+    ``compress_chunk``: tokens leaving the window are compressed in batches of at least this many (see the module
+    docstring; 1: every step); ``key_rescale`` / ``value_rescale``: TurboQuantizer's ``rescale`` (``mse`` only);
+    ``split``: ``"outlier"`` or ``"rotated"``.
 
     ``key_rescale`` defaults to on for ``mse`` keys: an ``mse`` code shrinks each key toward 0 (ŷ is a
     conditional mean), which shrinks its attention logits; over a long context this flattens the sharp
@@ -216,7 +222,7 @@ class TurboQuantCache(Cache):
 
     def __init__(self, config, key_bits: float = 4, value_bits: float = 4, key_mode: str = "mse",
                  window: int = 128, sinks: int = 4, key_rescale: bool | None = None, value_rescale: bool = False,
-                 split: str = "outlier", seed: int = 0) -> None:
+                 split: str = "outlier", seed: int = 0, compress_chunk: int = 16) -> None:
         if key_rescale is None:
             key_rescale = key_mode == "mse"
         text = config.get_text_config(decoder=True)
@@ -224,7 +230,7 @@ class TurboQuantCache(Cache):
         key_codec = HeadCodec(head_dim, key_bits, key_mode, key_rescale, split, seed)
         value_codec = HeadCodec(head_dim, value_bits, "mse", value_rescale, split, seed + 1000)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
-        layers = [TurboQuantLayer(key_codec, value_codec, window, sinks) if kind == "full_attention"
+        layers = [TurboQuantLayer(key_codec, value_codec, window, sinks, compress_chunk) if kind == "full_attention"
                   else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw) for kind, kw in zip(layer_types, layer_kwargs)]
         super().__init__(layers=layers)
         self.key_codec, self.value_codec = key_codec, value_codec
