@@ -279,12 +279,7 @@ def plot(rows: list[Row], dim: int, title: str, path: Path, distortion_path: Pat
         axes[1].scatter([r.qps_1t for r in sel], [r.recall10 for r in sel], label=fam, color=colors[fam])
     axes[0].set(xlabel="bytes per vector", ylabel="recall@10", title=f"{title}: recall vs bytes", xscale="log")
     axes[1].set(xlabel="queries/s, one thread (batch)", ylabel="recall@10", title="recall vs QPS", xscale="log")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, axes, path, legend_size=8)
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     grid = np.linspace(1, max(r.bits for r in rows), 50)
@@ -299,11 +294,18 @@ def plot(rows: list[Row], dim: int, title: str, path: Path, distortion_path: Pat
     axes[0].set(xlabel="bits per dimension", ylabel="‖x − x̂‖² / ‖x‖²", yscale="log", title=f"{title}: reconstruction MSE")
     axes[1].set(xlabel="bits per dimension", ylabel="variance of est⟨q,x⟩ − ⟨q,x⟩", yscale="log",
                 title="inner-product error variance")
+    _save(fig, axes, distortion_path, legend_size=7)
+
+
+def _save(fig: Any, axes: Any, path: Path, legend_size: int) -> None:
+    """Grid and legend on every axis, then write ``path`` (PNG, 110 dpi) and close the figure."""
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=legend_size)
     fig.tight_layout()
-    fig.savefig(distortion_path, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
