@@ -256,15 +256,20 @@ def _half_queries(q: torch.Tensor, p: torch.Tensor | None) -> tuple[torch.Tensor
     return qh, ph, qfac
 
 
+def _refine_rows(group_rows: int) -> int:
+    """Rows per :func:`~.scan_kernel.refine_kernel` program for groups of ``group_rows`` rows."""
+    return math.gcd(group_rows, 32 if interpreting() else REFINE_ROWS)
+
+
 def _refine(
     q: torch.Tensor, p: torch.Tensor | None, groups: torch.Tensor, block: CodeBlock, table: CodeTable, group_rows: int,
     local_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exact scores and row numbers ``(nq, slices · rows)`` of each query's chosen row groups ``groups``
     ``(nq, n_groups)`` of ``group_rows`` rows (``-inf`` / ``-1`` past the last row), refined in slices of
-    ``rows = gcd(group_rows, REFINE_ROWS)``. ``local_k`` (a power of two below ``rows``): instead the best
+    :func:`_refine_rows` rows. ``local_k`` (a power of two below that): instead the best
     ``local_k`` of each slice as :mod:`.topk` keys ``(nq, slices · local_k)`` int64, and ``None``."""
-    rows = math.gcd(group_rows, 32 if interpreting() else REFINE_ROWS)
+    rows = _refine_rows(group_rows)
     if group_rows > rows:  # refine each chosen group as group_rows / rows slices
         parts = group_rows // rows
         groups = (groups[:, :, None] * parts + torch.arange(parts, device=groups.device)).flatten(1)
@@ -338,9 +343,8 @@ def refined_topk(
     :func:`~.topk.keys_topk` pass finishes (same answer: a query's top ``k`` holds at most ``k`` rows of any slice);
     else every refined score goes to :func:`~.topk.row_topk` or ``torch.topk``.
     """
-    rows = math.gcd(group_rows, 32 if interpreting() else REFINE_ROWS)
     triton_topk = USE_TRITON_TOPK and q.shape[0] <= TRITON_TOPK_MAX_QUERIES
-    if triton_topk and topk_kernels.k_pad(k) < rows:
+    if triton_topk and topk_kernels.k_pad(k) < _refine_rows(group_rows):
         keys, _ = _refine(q, p, groups, block, table, group_rows, local_k=topk_kernels.k_pad(k))
         return topk_kernels.keys_topk(keys, k, block=_topk_block())
     candidates, ids = _refine(q, p, groups, block, table, group_rows)
