@@ -20,6 +20,11 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+#: Triton kernel tests run on the GPU, or on the CPU under the interpreter (set above when no GPU is visible)
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+KERNEL_DEVICE = "cpu" if INTERPRET else "cuda"
+needs_kernels = pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
+                                   reason="needs a CUDA GPU or TRITON_INTERPRET=1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KJV_FILE = "kjv-minilm-384-angular.hdf5"

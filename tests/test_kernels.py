@@ -17,13 +17,9 @@ from tqvec import TurboQuantizer, scan
 from tqvec.kernels import ops
 from tqvec.packing import unpack
 
-pytestmark = [
-    pytest.mark.usefixtures("single_torch_thread"),
-    pytest.mark.skipif(not (torch.cuda.is_available() or ops.interpreting()),
-                       reason="needs a CUDA GPU or TRITON_INTERPRET=1"),
-]
+from conftest import KERNEL_DEVICE, needs_kernels
 
-DEVICE = "cpu" if ops.interpreting() else "cuda"
+pytestmark = [pytest.mark.usefixtures("single_torch_thread"), needs_kernels]
 RTOL = 1e-4
 # (bits, mode, dim): every width 1–8, fractional rates, prod mode incl. its 0-bit segment at 1 bit
 LAYOUTS = [(1, "mse", 40), (2, "mse", 64), (3, "mse", 40), (4, "mse", 40), (5, "mse", 24), (6, "mse", 40),
@@ -39,12 +35,12 @@ def make_case(bits: float, mode: str, dim: int, n: int, nq: int, bias: bool, see
     b = torch.randn(n, generator=gen) if bias else None
     rotated, projected = tq.rotate_queries(torch.randn(nq, dim, generator=gen))
     cpu_block = tq.code_block(codes, b)
-    dev_block = tq.code_block(codes.to(DEVICE), None if b is None else b.to(DEVICE))
+    dev_block = tq.code_block(codes.to(KERNEL_DEVICE), None if b is None else b.to(KERNEL_DEVICE))
     return tq, cpu_block, dev_block, rotated, projected
 
 
 def dev(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.to(DEVICE)
+    return None if t is None else t.to(KERNEL_DEVICE)
 
 
 def assert_scores_close(got: torch.Tensor, ref: torch.Tensor) -> None:
@@ -78,8 +74,8 @@ def test_scores_and_search_match_reference(bits: float, mode: str, dim: int) -> 
     tq, cpu_block, dev_block, rotated, projected = make_case(bits, mode, dim, n=75, nq=5, bias=bias)
     table = tq.table("cpu")
     ref = scan.scores(rotated, cpu_block, table, projected)
-    assert_scores_close(ops.scores(dev(rotated), dev_block, tq.table(DEVICE), dev(projected)), ref)
-    got = ops.search(dev(rotated), dev_block, tq.table(DEVICE), 7, dev(projected))
+    assert_scores_close(ops.scores(dev(rotated), dev_block, tq.table(KERNEL_DEVICE), dev(projected)), ref)
+    got = ops.search(dev(rotated), dev_block, tq.table(KERNEL_DEVICE), 7, dev(projected))
     assert_topk_equal(got, scan.search(rotated, cpu_block, table, 7, projected), ref)
 
 
@@ -89,15 +85,15 @@ def test_query_dtypes(dtype: torch.dtype) -> None:
     tq, cpu_block, dev_block, rotated, _ = make_case(4, "mse", 40, n=50, nq=3, bias=True)
     q = rotated.to(dtype)
     ref = scan.scores(q, cpu_block, tq.table("cpu"))
-    assert_scores_close(ops.scores(dev(q), dev_block, tq.table(DEVICE)), ref)
-    got = ops.search(dev(q), dev_block, tq.table(DEVICE), 5)
+    assert_scores_close(ops.scores(dev(q), dev_block, tq.table(KERNEL_DEVICE)), ref)
+    got = ops.search(dev(q), dev_block, tq.table(KERNEL_DEVICE), 5)
     assert_topk_equal(got, scan.search(q, cpu_block, tq.table("cpu"), 5), ref)
 
 
 @pytest.mark.parametrize("n", [0, 5, 33])
 def test_k_larger_than_n_pads(n: int) -> None:
     tq, cpu_block, dev_block, rotated, projected = make_case(3, "prod", 24, n=n, nq=2, bias=False)
-    values, rows = ops.search(dev(rotated), dev_block, tq.table(DEVICE), 40, dev(projected))
+    values, rows = ops.search(dev(rotated), dev_block, tq.table(KERNEL_DEVICE), 40, dev(projected))
     assert values.shape == rows.shape == (2, 40)
     assert bool(torch.isinf(values[:, n:]).all()) and bool((rows[:, n:] == -1).all())
     if n:
@@ -116,14 +112,15 @@ def test_tilings(config: ops.TileConfig, bits: float, mode: str, dim: int) -> No
     """Resident query tiles, 4-bit pair table, several row tiles per program, both operand orders."""
     tq, cpu_block, dev_block, rotated, projected = make_case(bits, mode, dim, n=101, nq=20, bias=True)
     ref = scan.scores(rotated, cpu_block, tq.table("cpu"), projected)
-    assert_scores_close(ops.scores(dev(rotated), dev_block, tq.table(DEVICE), dev(projected), config=config), ref)
-    got = ops.search(dev(rotated), dev_block, tq.table(DEVICE), 6, dev(projected), config=config)
+    got_scores = ops.scores(dev(rotated), dev_block, tq.table(KERNEL_DEVICE), dev(projected), config=config)
+    assert_scores_close(got_scores, ref)
+    got = ops.search(dev(rotated), dev_block, tq.table(KERNEL_DEVICE), 6, dev(projected), config=config)
     assert_topk_equal(got, scan.search(rotated, cpu_block, tq.table("cpu"), 6, projected), ref)
     # stage 1 alone: float16 group maxima of the scaled queries, within float16 rounding
     qh, ph, qfac = ops._half_queries(dev(rotated), dev(projected))
     n_tiles = -(-len(cpu_block) // config.block_n)
-    group_max = torch.full((20, n_tiles), float("nan"), device=DEVICE)
-    ops._launch_tiles(qh, ph, qfac, dev_block, tq.table(DEVICE), group_max, config, True)
+    group_max = torch.full((20, n_tiles), float("nan"), device=KERNEL_DEVICE)
+    ops._launch_tiles(qh, ph, qfac, dev_block, tq.table(KERNEL_DEVICE), group_max, config, True)
     padded = torch.nn.functional.pad(ref * qfac.cpu()[:, None], (0, n_tiles * config.block_n - ref.shape[1]),
                                      value=float("-inf"))
     expected = padded.view(20, n_tiles, config.block_n).amax(2)
@@ -149,7 +146,7 @@ def test_matvec_search(bits: float, mode: str, dim: int) -> None:
     assert ops.tile_config(1, tq.layout).matvec == (bits == 4)
     ref = scan.scores(rotated, cpu_block, tq.table("cpu"), projected)
     config = ops.TileConfig(1, 16, 8, tiles=3, matvec=True)
-    got = ops.search(dev(rotated), dev_block, tq.table(DEVICE), 7, dev(projected), config=config)
+    got = ops.search(dev(rotated), dev_block, tq.table(KERNEL_DEVICE), 7, dev(projected), config=config)
     assert_topk_equal(got, scan.search(rotated, cpu_block, tq.table("cpu"), 7, projected), ref)
 
 
@@ -158,14 +155,14 @@ def test_search_in_query_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ops, "MAX_GROUP_SCORES", 6)
     tq, cpu_block, dev_block, rotated, _ = make_case(2.5, "mse", 40, n=70, nq=7, bias=False)
     ref = scan.scores(rotated, cpu_block, tq.table("cpu"))
-    got = ops.search(dev(rotated), dev_block, tq.table(DEVICE), 4)
+    got = ops.search(dev(rotated), dev_block, tq.table(KERNEL_DEVICE), 4)
     assert_topk_equal(got, scan.search(rotated, cpu_block, tq.table("cpu"), 4), ref)
 
 
 def test_signs_need_projected_queries() -> None:
     tq, _, dev_block, rotated, _ = make_case(2, "prod", 32, n=10, nq=1, bias=False)
     with pytest.raises(ValueError, match="projected"):
-        ops.scores(dev(rotated), dev_block, tq.table(DEVICE))
+        ops.scores(dev(rotated), dev_block, tq.table(KERNEL_DEVICE))
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8, 2.5, 3.5])
@@ -176,8 +173,8 @@ def test_encode_matches_quantizer(bits: float) -> None:
     x = torch.randn(53, 40, generator=torch.Generator().manual_seed(2)) * 2
     x[3] = 0  # a zero vector encodes as u = 0
     ref = tq.encode(x)
-    packed, norms, alignment = ops.encode(dev(tq.rotation.forward(x)), tq.table(DEVICE),
-                                          ops.boundary_table(tq._boundaries, DEVICE))
+    packed, norms, alignment = ops.encode(dev(tq.rotation.forward(x)), tq.table(KERNEL_DEVICE),
+                                          ops.boundary_table(tq._boundaries, KERNEL_DEVICE))
     assert packed.dtype == torch.uint8 and packed.shape == ref.packed.shape
     differ = (unpack(packed.cpu(), tq.layout) != unpack(ref.packed, tq.layout)).float().mean().item()
     assert differ <= 1e-3
@@ -192,8 +189,8 @@ def test_encode_prod_layout_and_float16() -> None:
         tq = TurboQuantizer(32, bits, mode="prod", seed=0)
         x = torch.randn(20, 32, generator=torch.Generator().manual_seed(bits))
         ref = tq.encode(x)
-        packed, _, _ = ops.encode(dev(tq.rotation.forward(x).half()), tq.table(DEVICE),
-                                  ops.boundary_table(tq._boundaries, DEVICE))
+        packed, _, _ = ops.encode(dev(tq.rotation.forward(x).half()), tq.table(KERNEL_DEVICE),
+                                  ops.boundary_table(tq._boundaries, KERNEL_DEVICE))
         assert packed.shape == ref.packed.shape
         differ = (unpack(packed.cpu(), tq.layout) != unpack(ref.packed, tq.layout)).float().mean().item()
         assert differ <= 0.02  # float16 input moves values near boundaries

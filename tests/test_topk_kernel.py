@@ -15,13 +15,9 @@ pytest.importorskip("triton")
 from tqvec import TurboQuantizer, scan
 from tqvec.kernels import ops, topk
 
-pytestmark = [
-    pytest.mark.usefixtures("single_torch_thread"),
-    pytest.mark.skipif(not (torch.cuda.is_available() or ops.interpreting()),
-                       reason="needs a CUDA GPU or TRITON_INTERPRET=1"),
-]
+from conftest import KERNEL_DEVICE, needs_kernels
 
-DEVICE = "cpu" if ops.interpreting() else "cuda"
+pytestmark = [pytest.mark.usefixtures("single_torch_thread"), needs_kernels]
 
 
 def _values(nq: int, length: int, kind: str, seed: int) -> torch.Tensor:
@@ -69,7 +65,7 @@ def _check(got: tuple[torch.Tensor, torch.Tensor], values: torch.Tensor, k: int,
 ])
 def test_row_topk_matches_torch(nq: int, length: int, k: int, block: int, kind: str) -> None:
     values = _values(nq, length, kind, seed=length + k)
-    got = topk.row_topk(values.to(DEVICE), k, block=block)
+    got = topk.row_topk(values.to(KERNEL_DEVICE), k, block=block)
     _check(got, values, k, None)
 
 
@@ -78,7 +74,7 @@ def test_bitonic_selection(monkeypatch: pytest.MonkeyPatch, nq: int, length: int
     """``tl.topk`` (the GPU's selection; the interpreter otherwise uses max-and-remove), one and two passes."""
     monkeypatch.setattr(topk, "INTERPRET_BITONIC", True)
     values = _values(nq, length, kind, seed=5)
-    _check(topk.row_topk(values.to(DEVICE), k, block=block), values, k, None)
+    _check(topk.row_topk(values.to(KERNEL_DEVICE), k, block=block), values, k, None)
 
 
 @pytest.mark.parametrize("nq,length,k,block", [(3, 90, 7, 16), (1, 33, 40, 16), (8, 40, 5, 64)])
@@ -89,7 +85,7 @@ def test_row_topk_with_ids(nq: int, length: int, k: int, block: int) -> None:
     ids = torch.stack([torch.randperm(10 * length, generator=gen)[:length] for _ in range(nq)])
     ids[:, -3:] = -1
     values[:, -3:] = float("-inf")
-    got = topk.row_topk(values.to(DEVICE), k, ids.to(DEVICE), block=block)
+    got = topk.row_topk(values.to(KERNEL_DEVICE), k, ids.to(KERNEL_DEVICE), block=block)
     _check(got, values, k, ids)
     gv, gi = (t.cpu() for t in got)
     assert bool((gi[torch.isinf(gv) & (gi < 0)] == -1).all())
@@ -106,7 +102,7 @@ def test_plan_splits_and_serial_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(topk, "MAX_K_PAD", 4)
     assert not topk.supported(5) and topk.supported(4)
     values = _values(2, 50, "randn", 0)
-    _check(topk.row_topk(values.to(DEVICE), 6, block=16), values, 6, None)  # torch.topk fallback
+    _check(topk.row_topk(values.to(KERNEL_DEVICE), 6, block=16), values, 6, None)  # torch.topk fallback
 
 
 def test_search_uses_kernels_and_matches_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -114,16 +110,16 @@ def test_search_uses_kernels_and_matches_torch_path(monkeypatch: pytest.MonkeyPa
     tq = TurboQuantizer(40, 4, seed=0)
     gen = torch.Generator().manual_seed(0)
     codes = tq.encode(torch.randn(300, 40, generator=gen))
-    block = tq.code_block(codes.to(DEVICE))
+    block = tq.code_block(codes.to(KERNEL_DEVICE))
     rotated, _ = tq.rotate_queries(torch.randn(3, 40, generator=gen))
     calls = []
     for name in ("row_topk", "keys_topk"):
         real = getattr(topk, name)
         monkeypatch.setattr(topk, name, lambda *a, _n=name, _f=real, **kw: calls.append(_n) or _f(*a, **kw))
-    got = ops.search(rotated.to(DEVICE), block, tq.table(DEVICE), 5)
+    got = ops.search(rotated.to(KERNEL_DEVICE), block, tq.table(KERNEL_DEVICE), 5)
     assert calls == ["row_topk", "keys_topk"]  # group selection, then the final top-k of the refined slices' best
     monkeypatch.setattr(ops, "USE_TRITON_TOPK", False)
-    old = ops.search(rotated.to(DEVICE), block, tq.table(DEVICE), 5)
+    old = ops.search(rotated.to(KERNEL_DEVICE), block, tq.table(KERNEL_DEVICE), 5)
     assert torch.equal(got[0].cpu(), old[0].cpu()) and torch.equal(got[1].cpu(), old[1].cpu())
     ref = scan.search(rotated, tq.code_block(codes), tq.table("cpu"), 5)
     assert torch.allclose(got[0].cpu(), ref[0], rtol=1e-5) and torch.equal(got[1].cpu(), ref[1])
@@ -131,7 +127,7 @@ def test_search_uses_kernels_and_matches_torch_path(monkeypatch: pytest.MonkeyPa
 
 def test_select_groups_fewer_groups_than_kg() -> None:
     """n_groups < k + GROUP_MARGIN: every group is chosen."""
-    gm = _values(2, 5, "randn", 3).to(DEVICE)
+    gm = _values(2, 5, "randn", 3).to(KERNEL_DEVICE)
     groups = ops.select_groups(gm, 5)
     assert sorted(groups[0].tolist()) == sorted(groups[1].tolist()) == [0, 1, 2, 3, 4]
 
@@ -143,9 +139,10 @@ def test_refined_topk_local_keys_equal_all_scores(monkeypatch: pytest.MonkeyPatc
     tq = TurboQuantizer(24, 3, seed=1)
     gen = torch.Generator().manual_seed(k)
     codes = tq.encode(torch.randn(250, 24, generator=gen))
-    block, table = tq.code_block(codes.to(DEVICE)), tq.table(DEVICE)
-    q = tq.rotate_queries(torch.randn(4, 24, generator=gen))[0].to(DEVICE)
-    groups = torch.tensor([[7, 0, 3], [1, 7, 2], [5, 4, 6], [0, 1, 2]], device=DEVICE)  # group 7: rows 224..249 of 256
+    block, table = tq.code_block(codes.to(KERNEL_DEVICE)), tq.table(KERNEL_DEVICE)
+    q = tq.rotate_queries(torch.randn(4, 24, generator=gen))[0].to(KERNEL_DEVICE)
+    # group 7: rows 224..249 of 256
+    groups = torch.tensor([[7, 0, 3], [1, 7, 2], [5, 4, 6], [0, 1, 2]], device=KERNEL_DEVICE)
     scores, ids = ops._refine(q, None, groups, block, table, 32)
     values, rows = ops.refined_topk(q, None, groups, block, table, 32, k)
     _check((values, rows), scores.cpu(), k, ids.cpu())
@@ -168,8 +165,8 @@ def test_keys_topk_equals_row_topk(monkeypatch: pytest.MonkeyPatch) -> None:
     keys = _host_keys(values, ids)
     keys[:, -7:] = torch.iinfo(torch.int64).min  # no candidate: decoded as -inf / -1
     values[:, -7:], ids[:, -7:] = float("-inf"), -1
-    got = topk.keys_topk(keys.to(DEVICE), 9, block=16)
+    got = topk.keys_topk(keys.to(KERNEL_DEVICE), 9, block=16)
     _check(got, values, 9, ids)
     monkeypatch.setattr(topk, "MAX_K_PAD", 4)  # no torch.topk fallback for keys: a clear error instead
     with pytest.raises(ValueError, match="k_pad"):
-        topk.keys_topk(keys.to(DEVICE), 6)
+        topk.keys_topk(keys.to(KERNEL_DEVICE), 6)
