@@ -15,7 +15,6 @@ import itertools
 import json
 import shlex
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -26,6 +25,8 @@ from tqvec.kv import TurboQuantCache, TurboQuantLayer
 from tqvec import scan
 from tqvec.kv.attention import compressed_attention, decode_step
 from tqvec.kv.codec import HeadCodec
+
+from .kv_step import decode_ms
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HQ, HKV, D = 32, 8, 128
@@ -115,18 +116,8 @@ def end_to_end(layers: int, context: int, new_tokens: int, bits: float) -> list[
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        with torch.no_grad():
-            cache = make()
-            logits = model(input_ids=ids, cache=cache, logits_to_keep=1).logits[:, -1]
-            token = logits.argmax(-1, keepdim=True)
-            for _ in range(2):  # warm-up steps (kernel compilation, allocator), not timed
-                token = model(input_ids=token, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(new_tokens):
-                token = model(input_ids=token, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
-            torch.cuda.synchronize()
-            seconds = time.perf_counter() - t0
+        cache = make()
+        seconds = decode_ms(model, cache, ids, new_tokens) * new_tokens / 1000
         cache_bytes = cache.nbytes() if isinstance(cache, TurboQuantCache) else sum(
             t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
         rows.append({"cache": name, "layers": layers, "context": context, "tokens_per_s": new_tokens / seconds,

@@ -23,21 +23,22 @@ from tqvec.kv import TurboQuantCache
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def step_ms(model, cfg: LlamaConfig, make_cache, context: int, tokens: int, device: str) -> float:
-    """Milliseconds per greedy decode step (``tokens`` steps after a ``context``-token prefill and two warm-up steps)."""
-    ids = torch.randint(0, cfg.vocab_size, (1, context), device=device, generator=torch.Generator(device).manual_seed(0))
+def decode_ms(model, cache, ids: torch.Tensor, tokens: int) -> float:
+    """Milliseconds per greedy decode step of ``model`` over ``cache``: prefill ``ids`` ``(1, context)``, two untimed
+    warm-up steps (kernel compilation, allocator), then ``tokens`` timed steps (synchronized on CUDA)."""
+    def sync() -> None:
+        if ids.is_cuda:
+            torch.cuda.synchronize()
+
     with torch.no_grad():
-        cache = make_cache()
         token = model(input_ids=ids, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
         for _ in range(2):
             token = model(input_ids=token, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
-        if device == "cuda":
-            torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         for _ in range(tokens):
             token = model(input_ids=token, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
-        if device == "cuda":
-            torch.cuda.synchronize()
+        sync()
     return (time.perf_counter() - start) / tokens * 1000
 
 
@@ -64,11 +65,13 @@ def main(argv: list[str] | None = None) -> None:
     caches = {"DynamicCache + sdpa": ("sdpa", lambda: DynamicCache(config=cfg)),
               "TurboQuantCache 4b, compress every step": ("tqvec", lambda: TurboQuantCache(cfg, compress_chunk=1)),
               "TurboQuantCache 4b, compress 16 at a time (default)": ("tqvec", lambda: TurboQuantCache(cfg))}
+    ids = torch.randint(0, cfg.vocab_size, (1, args.context), device=args.device,
+                        generator=torch.Generator(args.device).manual_seed(0))
     times: dict[str, list[float]] = {name: [] for name in caches}
     for _ in range(args.repeats):
         for name, (impl, make) in caches.items():
             model.set_attn_implementation(impl)
-            times[name].append(step_ms(model, cfg, make, args.context, args.tokens, args.device))
+            times[name].append(decode_ms(model, make(), ids, args.tokens))
             print(f"{name}: {times[name][-1]:.2f} ms/step", flush=True)
     command = "python -m bench.kv_step " + shlex.join(argv if argv is not None else sys.argv[1:])
     rows = [{"cache": name, "ms_per_step": min(t), "repeats_ms": t} for name, t in times.items()]
