@@ -67,7 +67,9 @@ def _time_ms(fn: Callable[[], object], iters: int, graph: bool = False) -> float
 
 
 def attention_row(batch: int, context: int, bits: float, window: int, iters: int) -> dict[str, float]:
-    """One (batch, context) point: SDPA and tqvec latency, their relative output difference, bytes held."""
+    """One (batch, context) point: SDPA and tqvec latency (and of tqvec's two kernels alone), their relative output
+    difference, bytes held."""
+    from tqvec.kernels import attention as ka  # noqa: PLC0415 - CUDA only
     g = torch.Generator(device="cuda").manual_seed(context + batch)
     q = torch.randn(batch, HQ, 1, D, device="cuda", dtype=torch.float16, generator=g)
     k = torch.randn(batch, HKV, context, D, device="cuda", dtype=torch.float16, generator=g)
@@ -82,12 +84,16 @@ def attention_row(batch: int, context: int, bits: float, window: int, iters: int
     step = decode_step(handle, q, None, D ** -0.5)
     tq = lambda: scan.attend(step)  # noqa: E731
     tq_ms, tq_graph_ms = _time_ms(tq, iters), _time_ms(tq, iters, graph=True)
+    partials = ka.split(step)
+    split_ms = _time_ms(lambda: ka.split(step), iters, graph=True)
+    combine_ms = _time_ms(lambda: ka.combine(partials), iters, graph=True)
     out = tq().reshape(q.shape).float()
     err = float((out - ref).norm() / ref.norm())
     ref_err = float((out - compressed_attention(handle, q, None, D ** -0.5)).norm() / ref.norm())
     return {"batch": batch, "context": context, "sdpa_us": 1000 * sdpa_ms, "tqvec_us": 1000 * tq_ms,
             "speedup": sdpa_ms / tq_ms, "sdpa_graph_us": 1000 * sdpa_graph_ms, "tqvec_graph_us": 1000 * tq_graph_ms,
-            "graph_speedup": sdpa_graph_ms / tq_graph_ms, "rel_err": err, "rel_diff_per_head_path": ref_err,
+            "graph_speedup": sdpa_graph_ms / tq_graph_ms,
+            "split_graph_us": 1000 * split_ms, "combine_graph_us": 1000 * combine_ms, "rel_err": err, "rel_diff_per_head_path": ref_err,
             "fp16_bytes": fp_bytes, "tqvec_bytes": layer.nbytes(), "code_bytes_read": _code_bytes(layer)}
 
 
@@ -131,13 +137,16 @@ def _markdown(rows: list[dict], e2e: list[dict], command: str, device: str) -> s
            f"Command: `{command}`. 32 query heads, 8 KV heads, head_dim 128, 1 query token; median of CUDA-event timings.",
            "L2 flushed before every timed call. *Graph*: the call replayed from a CUDA graph (a decode loop with static "
            "shapes); *eager*: launched from Python. tqvec = `tqvec.scan.attend` (split-sequence Triton kernels over the "
-           "codes, sinks and window; `kernels/attention.py`). Code GB/s: K/V codes and scales read per second (graph).",
+           "codes, sinks and window; `kernels/attention.py`). Code GB/s: K/V codes and scales read per second (graph). "
+           "Split / combine: tqvec's two kernels, each replayed alone from its own graph (so each carries its own "
+           "replay overhead).",
            "", "| batch | context | SDPA µs graph | tqvec µs graph | speed-up graph | SDPA µs eager | tqvec µs eager | "
-           "speed-up eager | code GB/s | rel. error vs SDPA | KV bytes fp16 → tqvec |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "speed-up eager | split µs | combine µs | code GB/s | rel. error vs SDPA | KV bytes fp16 → tqvec |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['batch']} | {r['context']} | {r['sdpa_graph_us']:.1f} | {r['tqvec_graph_us']:.1f} | "
                    f"{r['graph_speedup']:.2f}× | {r['sdpa_us']:.1f} | {r['tqvec_us']:.1f} | {r['speedup']:.2f}× | "
+                   f"{r['split_graph_us']:.1f} | {r['combine_graph_us']:.1f} | "
                    f"{r['code_bytes_read'] / r['tqvec_graph_us'] / 1e3:.0f} | {r['rel_err']:.3f} | "
                    f"{r['fp16_bytes'] / 2**20:.0f} MiB → {r['tqvec_bytes'] / 2**20:.0f} MiB |")
     if e2e:
@@ -146,6 +155,16 @@ def _markdown(rows: list[dict], e2e: list[dict], command: str, device: str) -> s
         out += [f"| {r['cache']} | {r['layers']} | {r['context']} | {r['tokens_per_s']:.1f} | {r['peak_mem_gib']:.2f} | "
                 f"{r['cache_mib']:.0f} |" for r in e2e]
     return "\n".join(out) + "\n"
+
+
+#: the split-kernel constants of ``kernels.attention`` that ``--config`` / ``--sweep`` set (max_registers 0: no cap)
+CONFIG_NAMES = ("block_n", "warps", "stages", "programs_per_sm", "max_registers")
+
+
+def _configure(ka: object, config: tuple[int, ...]) -> None:
+    block_n, warps, stages, per_sm, max_registers = config
+    ka.BLOCK_N, ka.NUM_WARPS, ka.NUM_STAGES, ka.PROGRAMS_PER_SM = block_n, warps, stages, per_sm
+    ka.MAX_REGISTERS = max_registers or None
 
 
 def sweep(contexts: list[int], batches: list[int], bits: float, window: int, iters: int) -> list[dict]:
@@ -163,20 +182,17 @@ def sweep(contexts: list[int], batches: list[int], bits: float, window: int, ite
             handle, _ = layer.update(k[:, :, -1:], k[:, :, -1:])
             del k
             step = decode_step(handle, q, None, D ** -0.5)
-            grid = itertools.product((32, 64, 128), (4, 8), (1, 2, 3), (2, 4, 8), (True, False))
-            for block_n, warps, stages, per_sm, asm in grid:
-                ka.BLOCK_N, ka.NUM_WARPS, ka.NUM_STAGES, ka.PROGRAMS_PER_SM = block_n, warps, stages, per_sm
-                ka.ASM_DECODE = asm
+            grid = itertools.product((64, 128), (4,), (2, 3), (3, 4, 6), (0, 128))
+            for config in grid:
+                _configure(ka, config)
                 try:
                     us = 1000 * _time_ms(lambda: scan.attend(step), iters, graph=True)  # noqa: B023
                 except Exception as err:  # noqa: BLE001 - a configuration that does not compile is reported
                     us = float("nan")
                     print(f"config failed: {err!r}"[:200], flush=True)
-                rows.append({"batch": batch, "context": context, "block_n": block_n, "warps": warps, "stages": stages,
-                             "programs_per_sm": per_sm, "asm_decode": asm, "us": us})
+                rows.append({"batch": batch, "context": context, **dict(zip(CONFIG_NAMES, config)), "us": us})
                 print(json.dumps(rows[-1]), flush=True)
             torch.cuda.empty_cache()
-    ka.ASM_DECODE = True
     return rows
 
 
@@ -193,13 +209,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--e2e-tokens", type=int, default=16)
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--sweep", action="store_true", help="time split-kernel configurations instead (kv_gpu_sweep.json)")
-    p.add_argument("--config", type=int, nargs=4, metavar=("BLOCK_N", "WARPS", "STAGES", "PER_SM"),
-                   help="split-kernel configuration (default: the constants in kernels/attention.py)")
+    p.add_argument("--config", type=int, nargs=5, metavar=("BLOCK_N", "WARPS", "STAGES", "PER_SM", "MAX_REGS"),
+                   help="split-kernel configuration (default: the constants in kernels/attention.py; MAX_REGS 0: no cap)")
     args = p.parse_args(argv)
     if args.config:
         from tqvec.kernels import attention as ka  # noqa: PLC0415
 
-        ka.BLOCK_N, ka.NUM_WARPS, ka.NUM_STAGES, ka.PROGRAMS_PER_SM = args.config
+        _configure(ka, args.config)
     if not torch.cuda.is_available():
         raise SystemExit("bench.kv_gpu needs a CUDA device")
     if args.sweep:

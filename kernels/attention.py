@@ -9,24 +9,25 @@ share the KV head (GQA) attend to
   (at most two segments) per side;
 * up to two runs of *exact* tokens (attention sinks and the recent window), float16/bfloat16/float32.
 
-Three kernels, no ``(heads, tokens)`` score matrix in memory:
+Two kernels, no ``(heads, tokens)`` score matrix in memory:
 
-0. :func:`query_kernel`, grid ``(b·h·G,)``: ``q̃`` and the unrotated ``log2(e)·scaling·q`` the combine needs.
-1. :func:`split_kernel`, grid ``(b·h, splits)``: each program scores a contiguous slice of the coded
-   tokens with ``tl.dot`` (float16 operands, float32 accumulation) against the rotated, pre-scaled
-   queries ``q̃ = log2(e) · scaling · Π_k q``, runs an online base-2 softmax and accumulates
-   ``Σ p_i s^v_i ŷ^v_i``; it writes the slice's running max ``m``, sum ``l`` and accumulator.
-2. :func:`combine_kernel`, grid ``(b·h, G)``: merges the slices (log-sum-exp), maps the accumulator back
-   with ``B_v`` and adds ``μ_v · l``, attends exactly to the sink and window tokens (scores
-   ``q·k − q·μ_k``, the same shift the codes carry), merges both parts and writes the output.
+1. :func:`split_kernel`, grid ``(b·h, splits + 1)``. Program ``(bh, s < splits)`` takes a contiguous slice of the
+   coded tokens: it rotates its queries itself (``q̃ = log2(e) · scaling · q · Π_k``, one ``tl.dot``), scores each
+   tile of codes with ``tl.dot`` (float16 operands, float32 accumulation), runs an online base-2 softmax,
+   accumulates ``Σ p_i s^v_i ŷ^v_i`` and finally maps it back to head channels (``· B_v``, plus ``μ_v · l``).
+   Program ``(bh, splits)`` attends exactly to the sink and window tokens (scores ``q·k − q·μ_k``: the same shift
+   the codes carry, so both share one softmax). Each program writes its partial ``m``, ``l`` and accumulator
+   ``(G, head_dim)`` (float32).
+2. :func:`combine_kernel`, grid ``(b·h, G, channel chunks)``: the log-sum-exp merge of the ``splits + 1`` partials
+   of one query head, written in the output dtype.
 
-Coded logits are ``q̃ · s^k_i ŷ^k_i = log2(e)·scaling·⟨q, k_i − μ_k⟩``; the exact part subtracts
-``⟨q, μ_k⟩`` too, so both parts share one softmax. A per-token validity mask (padding) may be given.
+Coded logits are ``q̃ · s^k_i ŷ^k_i = log2(e)·scaling·⟨q, k_i − μ_k⟩``. A per-token validity mask (padding) may be given.
 """
 from __future__ import annotations
 
 import functools
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,7 +37,7 @@ import triton.language as tl
 from tqvec.packing import Layout
 
 from .ops import MIN_BLOCK_D, interpreting, segment_args
-from .unpack import nibble_asm, nibble_values, segment_values
+from .unpack import nibble_pair_asm, nibble_pairs, segment_values
 
 if TYPE_CHECKING:
     from tqvec.scan import CodeTable, DecodeAttention
@@ -45,226 +46,195 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _decode(row_ptrs, row_mask, levels_ptr, BYTE: tl.constexpr, DIM: tl.constexpr, BITS: tl.constexpr,
-            NBYTES: tl.constexpr, NIB: tl.constexpr, PAD: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
-    """``(BLOCK_N, PAD)`` float16 levels of one (virtual) segment.
+def _values(row_ptrs, row_mask, levels_ptr, BYTE0: tl.constexpr, DIM0: tl.constexpr, BITS0: tl.constexpr,
+            NBYTES0: tl.constexpr, ROW0: tl.constexpr, PAD0: tl.constexpr, BYTE1: tl.constexpr, DIM1: tl.constexpr,
+            BITS1: tl.constexpr, NBYTES1: tl.constexpr, ROW1: tl.constexpr, PAD1: tl.constexpr,
+            NIBBLES: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Float16 levels ``(BLOCK_N, PAD0)`` and ``(BLOCK_N, PAD1)`` of a side's (at most two) kernel segments.
 
-    ``NIB`` 0 / 4: the low / high nibbles of the segment's ``DIM`` bytes (one channel per byte, no
-    reshuffling in registers), levels gathered from the table or, when ``ASM`` is given, by the PTX byte
-    permutes of :func:`nibble_asm` (four codes per instruction); ``NIB`` −1: a layout segment read by
-    :func:`segment_values`.
+    ``NIBBLES``: one 4-bit segment of ``2·DIM0`` channels read once as bytes, its low nibbles the first kernel
+    segment and its high nibbles the second (:func:`~.unpack.nibble_pairs`); else each segment is read by
+    :func:`~.unpack.segment_values` (the second one is 0 when ``DIM1`` is 0).
     """
-    if NIB >= 0:
-        v = nibble_values(row_ptrs, row_mask, BYTE, 0, DIM, PAD, levels_ptr, NIB, ASM)
+    if NIBBLES:
+        offs = tl.arange(0, PAD0)
+        raw = tl.load(row_ptrs[:, None] + offs[None, :], mask=row_mask[:, None] & (offs < DIM0)[None, :], other=0)
+        v0, v1 = nibble_pairs(raw, levels_ptr, ASM)
     else:
-        v = segment_values(row_ptrs, row_mask, BYTE, 0, levels_ptr, DIM, BITS, NBYTES, False, BLOCK_N, PAD)
-    return v.to(tl.float16)
+        v0 = segment_values(row_ptrs, row_mask, BYTE0, 0, levels_ptr + ROW0 * 256, DIM0, BITS0, NBYTES0, False,
+                            BLOCK_N, PAD0).to(tl.float16)
+        v1 = 0.0
+        if DIM1 > 0:
+            v1 = segment_values(row_ptrs, row_mask, BYTE1, 0, levels_ptr + ROW1 * 256, DIM1, BITS1, NBYTES1, False,
+                                BLOCK_N, PAD1).to(tl.float16)
+    return v0, v1
 
 
 @triton.jit
-def _load_q(q_ptr, g, g_mask, CH: tl.constexpr, DIM: tl.constexpr, PAD: tl.constexpr, D: tl.constexpr):
-    """Rotated queries ``(BLOCK_G, PAD)`` float16, channels ``CH .. CH + DIM`` (zero past ``DIM``)."""
-    c = tl.arange(0, PAD)
-    q = tl.load(q_ptr + g[:, None] * D + CH + c[None, :], mask=g_mask[:, None] & (c < DIM)[None, :], other=0.0)
-    return q.to(tl.float16)
+def _matrix(ptr, row0, col0, n_rows, n_cols, stride, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Block ``ptr[row0 : row0 + ROWS, col0 : col0 + COLS]`` of a row-major matrix, zero past ``n_rows`` × ``n_cols``."""
+    r = tl.arange(0, ROWS)
+    c = tl.arange(0, COLS)
+    mask = (r < n_rows)[:, None] & (c < n_cols)[None, :]
+    return tl.load(ptr + (row0 + r)[:, None] * stride + (col0 + c)[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
-def query_kernel(q_ptr, rot_ptr, qx_ptr, q_rot_ptr, stride_q, factor,
-                 DH: tl.constexpr, D: tl.constexpr, DH_PAD: tl.constexpr, D_PAD: tl.constexpr):
-    """Program ``row``: ``qx[row] = factor · q[row]`` ``(DH,)`` and ``q_rot[row] = qx[row] · rot`` ``(D,)``, float32;
-    ``rot`` ``(DH, D)`` float32 (the keys' rotation, channels in kernel order)."""
-    row = tl.program_id(0).to(tl.int64)
+def _online_softmax(s, m, l):
+    """Fold logits ``s`` ``(BLOCK_G, T)`` (base 2, ``-inf`` = masked) into ``(m, l)``: returns ``(p, alpha, m, l)``."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return p, alpha, m_new, l * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _exact_run(q, qmu, m, l, acc, k_ptr, v_ptr, valid_ptr, length, pos0, stride_k_t, stride_v_t,
+               HAS_VALID: tl.constexpr, DH: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Online softmax of the queries ``q`` ``(BLOCK_G, DH_PAD)`` over ``length`` exact tokens (cache positions
+    ``pos0 …``): updated ``(m, l, acc)``. Scores ``q·k − qmu``; products on tensor cores (TF32 on CUDA)."""
     c = tl.arange(0, DH_PAD)
-    r = tl.arange(0, D_PAD)
-    q = tl.load(q_ptr + row * stride_q + c, mask=c < DH, other=0.0).to(tl.float32) * factor
-    tl.store(qx_ptr + row * DH + c, q, mask=c < DH)
-    rot = tl.load(rot_ptr + c[:, None] * D + r[None, :], mask=(c < DH)[:, None] & (r < D)[None, :], other=0.0)
-    tl.store(q_rot_ptr + row * D + r, tl.sum(q[:, None] * rot, axis=0), mask=r < D)
+    for e0 in range(0, length, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        e_mask = e < length
+        mask = e_mask[:, None] & (c < DH)[None, :]
+        k = tl.load(k_ptr + e[:, None] * stride_k_t + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + e[:, None] * stride_v_t + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) - qmu[:, None]
+        ok = e_mask
+        if HAS_VALID:
+            ok = ok & (tl.load(valid_ptr + pos0 + e, mask=e_mask, other=0) != 0)
+        p, alpha, m, l = _online_softmax(tl.where(ok[None, :], s, float("-inf")), m, l)
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+    return m, l, acc
 
 
-@triton.jit(do_not_specialize=["n", "n_splits"])  # n grows by one per decode step: no recompiles
+@triton.jit(do_not_specialize=["n", "tokens_per_split", "n_splits", "n_sinks", "n_window"])  # these change per step
 def split_kernel(
-    q_ptr, kp_ptr, ks_ptr, vp_ptr, vs_ptr, k_levels_ptr, v_levels_ptr, valid_ptr,
-    m_ptr, l_ptr, acc_ptr,
-    n, tokens_per_split, n_heads, n_splits,
+    q_ptr, rot_ptr, back_ptr, k_mean_ptr, v_mean_ptr,
+    kp_ptr, ks_ptr, vp_ptr, vs_ptr, k_levels_ptr, v_levels_ptr,
+    sk_ptr, sv_ptr, wk_ptr, wv_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr,
+    factor, n, tokens_per_split, n_heads, n_splits, n_sinks, n_window,
+    stride_q_bh, stride_q_g,
     stride_kp_b, stride_kp_h, stride_kp_t, stride_ks_b, stride_ks_h,
-    stride_vp_b, stride_vp_h, stride_vp_t, stride_vs_b, stride_vs_h, stride_valid_b,
-    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+    stride_vp_b, stride_vp_h, stride_vp_t, stride_vs_b, stride_vs_h,
+    stride_sk_b, stride_sk_h, stride_sk_t, stride_sv_b, stride_sv_h, stride_sv_t,
+    stride_wk_b, stride_wk_h, stride_wk_t, stride_wv_b, stride_wv_h, stride_wv_t, stride_valid_b,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, DH: tl.constexpr, DH_PAD: tl.constexpr,
     K0_CH: tl.constexpr, K0_DIM: tl.constexpr, K0_BITS: tl.constexpr, K0_NBYTES: tl.constexpr, K0_BYTE: tl.constexpr,
-    K0_ROW: tl.constexpr, K0_NIB: tl.constexpr, K0_PAD: tl.constexpr,
+    K0_ROW: tl.constexpr, K0_PAD: tl.constexpr,
     K1_CH: tl.constexpr, K1_DIM: tl.constexpr, K1_BITS: tl.constexpr, K1_NBYTES: tl.constexpr, K1_BYTE: tl.constexpr,
-    K1_ROW: tl.constexpr, K1_NIB: tl.constexpr, K1_PAD: tl.constexpr,
+    K1_ROW: tl.constexpr, K1_PAD: tl.constexpr, K_NIBBLES: tl.constexpr, K_ASM: tl.constexpr,
     V0_CH: tl.constexpr, V0_DIM: tl.constexpr, V0_BITS: tl.constexpr, V0_NBYTES: tl.constexpr, V0_BYTE: tl.constexpr,
-    V0_ROW: tl.constexpr, V0_NIB: tl.constexpr, V0_PAD: tl.constexpr,
+    V0_ROW: tl.constexpr, V0_PAD: tl.constexpr,
     V1_CH: tl.constexpr, V1_DIM: tl.constexpr, V1_BITS: tl.constexpr, V1_NBYTES: tl.constexpr, V1_BYTE: tl.constexpr,
-    V1_ROW: tl.constexpr, V1_NIB: tl.constexpr, V1_PAD: tl.constexpr,
-    HAS_VALID: tl.constexpr, BLOCK_N: tl.constexpr,
-    K0_ASM: tl.constexpr, K1_ASM: tl.constexpr, V0_ASM: tl.constexpr, V1_ASM: tl.constexpr,
+    V1_ROW: tl.constexpr, V1_PAD: tl.constexpr, V_NIBBLES: tl.constexpr, V_ASM: tl.constexpr,
+    HAS_VALID: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    """Program ``(bh, split)``: coded tokens ``[split·tokens_per_split, …)`` of head ``bh`` → ``m``, ``l`` ``(G,)``
-    and the rotated-domain accumulator ``(G, D)`` of that slice (``-inf`` / 0 / 0 when it is empty)."""
+    """Program ``(bh, split)``: the partial ``m``, ``l`` ``(G,)`` and accumulator ``(G, DH)`` of coded tokens
+    ``[split·tokens_per_split, …)`` of head ``bh`` (``split < n_splits``; ``-inf`` / 0 / 0 when empty) or of its
+    exact tokens (``split == n_splits``). ``rot`` ``(DH, D)`` and ``back`` ``(D, DH)`` float16, channels in kernel order."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // n_heads
     h = bh % n_heads
     g = tl.arange(0, BLOCK_G)
-    g_mask = g < G
-    q_base = q_ptr + bh.to(tl.int64) * G * D
-    q0 = _load_q(q_base, g, g_mask, K0_CH, K0_DIM, K0_PAD, D)
-    if K1_DIM > 0:
-        q1 = _load_q(q_base, g, g_mask, K1_CH, K1_DIM, K1_PAD, D)
-    kp_base = kp_ptr + b.to(tl.int64) * stride_kp_b + h.to(tl.int64) * stride_kp_h
-    vp_base = vp_ptr + b.to(tl.int64) * stride_vp_b + h.to(tl.int64) * stride_vp_h
-    ks_base = ks_ptr + b.to(tl.int64) * stride_ks_b + h.to(tl.int64) * stride_ks_h
-    vs_base = vs_ptr + b.to(tl.int64) * stride_vs_b + h.to(tl.int64) * stride_vs_h
+    c = tl.arange(0, DH_PAD)
+    q = _matrix(q_ptr + bh.to(tl.int64) * stride_q_bh, 0, 0, G, DH, stride_q_g, BLOCK_G, DH_PAD).to(tl.float32) * factor
     m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_G,), tl.float32)
-    acc0 = tl.zeros((BLOCK_G, V0_PAD), tl.float32)
-    acc1 = tl.zeros((BLOCK_G, V1_PAD), tl.float32)
-    start = split * tokens_per_split
-    stop = tl.minimum(start + tokens_per_split, n)
-    for t0 in range(start, stop, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
-        t_mask = t < stop
-        k_rows = kp_base + t.to(tl.int64) * stride_kp_t
-        k = _decode(k_rows, t_mask, k_levels_ptr + K0_ROW * 256, K0_BYTE, K0_DIM, K0_BITS, K0_NBYTES, K0_NIB, K0_PAD,
-                    BLOCK_N, K0_ASM)
-        s = tl.dot(q0, tl.trans(k))
+    valid_row = valid_ptr + b.to(tl.int64) * stride_valid_b
+    if split < n_splits:
+        q16 = q.to(tl.float16)
+        q0 = tl.dot(q16, _matrix(rot_ptr, 0, K0_CH, DH, K0_DIM, D, DH_PAD, K0_PAD)).to(tl.float16)
+        q1 = q0
         if K1_DIM > 0:
-            k = _decode(k_rows, t_mask, k_levels_ptr + K1_ROW * 256, K1_BYTE, K1_DIM, K1_BITS, K1_NBYTES, K1_NIB,
-                        K1_PAD, BLOCK_N, K1_ASM)
-            s += tl.dot(q1, tl.trans(k))
-        s = s * tl.load(ks_base + t, mask=t_mask, other=0.0).to(tl.float32)[None, :]
-        ok = t_mask
-        if HAS_VALID:
-            ok = ok & (tl.load(valid_ptr + b.to(tl.int64) * stride_valid_b + t, mask=t_mask, other=0) != 0)
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        pv = (p * tl.load(vs_base + t, mask=t_mask, other=0.0).to(tl.float32)[None, :]).to(tl.float16)
-        v_rows = vp_base + t.to(tl.int64) * stride_vp_t
-        v = _decode(v_rows, t_mask, v_levels_ptr + V0_ROW * 256, V0_BYTE, V0_DIM, V0_BITS, V0_NBYTES, V0_NIB, V0_PAD,
-                    BLOCK_N, V0_ASM)
-        acc0 = acc0 * alpha[:, None] + tl.dot(pv, v)
+            q1 = tl.dot(q16, _matrix(rot_ptr, 0, K1_CH, DH, K1_DIM, D, DH_PAD, K1_PAD)).to(tl.float16)
+        kp_base = kp_ptr + b.to(tl.int64) * stride_kp_b + h.to(tl.int64) * stride_kp_h
+        vp_base = vp_ptr + b.to(tl.int64) * stride_vp_b + h.to(tl.int64) * stride_vp_h
+        ks_base = ks_ptr + b.to(tl.int64) * stride_ks_b + h.to(tl.int64) * stride_ks_h
+        vs_base = vs_ptr + b.to(tl.int64) * stride_vs_b + h.to(tl.int64) * stride_vs_h
+        acc0 = tl.zeros((BLOCK_G, V0_PAD), tl.float32)
+        acc1 = tl.zeros((BLOCK_G, V1_PAD), tl.float32)
+        start = split * tokens_per_split
+        stop = tl.minimum(start + tokens_per_split, n)
+        for t0 in range(start, stop, BLOCK_N):
+            t = t0 + tl.arange(0, BLOCK_N)
+            t_mask = t < stop
+            k0, k1 = _values(kp_base + t.to(tl.int64) * stride_kp_t, t_mask, k_levels_ptr, K0_BYTE, K0_DIM, K0_BITS,
+                             K0_NBYTES, K0_ROW, K0_PAD, K1_BYTE, K1_DIM, K1_BITS, K1_NBYTES, K1_ROW, K1_PAD, K_NIBBLES,
+                             K_ASM, BLOCK_N)
+            s = tl.dot(q0, tl.trans(k0))
+            if K1_DIM > 0:
+                s = tl.dot(q1, tl.trans(k1), s)
+            s = s * tl.load(ks_base + t, mask=t_mask, other=0.0).to(tl.float32)[None, :]
+            ok = t_mask
+            if HAS_VALID:
+                ok = ok & (tl.load(valid_row + n_sinks + t, mask=t_mask, other=0) != 0)
+            p, alpha, m, l = _online_softmax(tl.where(ok[None, :], s, float("-inf")), m, l)
+            pv = (p * tl.load(vs_base + t, mask=t_mask, other=0.0).to(tl.float32)[None, :]).to(tl.float16)
+            v0, v1 = _values(vp_base + t.to(tl.int64) * stride_vp_t, t_mask, v_levels_ptr, V0_BYTE, V0_DIM, V0_BITS,
+                             V0_NBYTES, V0_ROW, V0_PAD, V1_BYTE, V1_DIM, V1_BITS, V1_NBYTES, V1_ROW, V1_PAD, V_NIBBLES,
+                             V_ASM, BLOCK_N)
+            acc0 = tl.dot(pv, v0, acc0 * alpha[:, None])
+            if V1_DIM > 0:
+                acc1 = tl.dot(pv, v1, acc1 * alpha[:, None])
+        acc = tl.dot(acc0, _matrix(back_ptr, V0_CH, 0, V0_DIM, DH, DH, V0_PAD, DH_PAD).to(tl.float32))
         if V1_DIM > 0:
-            v = _decode(v_rows, t_mask, v_levels_ptr + V1_ROW * 256, V1_BYTE, V1_DIM, V1_BITS, V1_NBYTES, V1_NIB,
-                        V1_PAD, BLOCK_N, V1_ASM)
-            acc1 = acc1 * alpha[:, None] + tl.dot(pv, v)
-        m = m_new
-    slot = (bh.to(tl.int64) * n_splits + split) * G
-    tl.store(m_ptr + slot + g, m, mask=g_mask)
-    tl.store(l_ptr + slot + g, l, mask=g_mask)
-    c0 = tl.arange(0, V0_PAD)
-    tl.store(acc_ptr + (slot + g[:, None]) * D + V0_CH + c0[None, :], acc0, mask=g_mask[:, None] & (c0 < V0_DIM)[None, :])
-    if V1_DIM > 0:
-        c1 = tl.arange(0, V1_PAD)
-        tl.store(acc_ptr + (slot + g[:, None]) * D + V1_CH + c1[None, :], acc1,
-                 mask=g_mask[:, None] & (c1 < V1_DIM)[None, :])
+            acc = tl.dot(acc1, _matrix(back_ptr, V1_CH, 0, V1_DIM, DH, DH, V1_PAD, DH_PAD).to(tl.float32), acc)
+        acc += l[:, None] * tl.load(v_mean_ptr + bh.to(tl.int64) * DH + c, mask=c < DH, other=0.0)[None, :]
+    else:
+        qmu = tl.sum(q * tl.load(k_mean_ptr + bh.to(tl.int64) * DH + c, mask=c < DH, other=0.0)[None, :], axis=1)
+        acc = tl.zeros((BLOCK_G, DH_PAD), tl.float32)
+        m, l, acc = _exact_run(
+            q, qmu, m, l, acc, sk_ptr + b.to(tl.int64) * stride_sk_b + h.to(tl.int64) * stride_sk_h,
+            sv_ptr + b.to(tl.int64) * stride_sv_b + h.to(tl.int64) * stride_sv_h, valid_row, n_sinks, 0,
+            stride_sk_t, stride_sv_t, HAS_VALID, DH, DH_PAD, BLOCK_E)
+        m, l, acc = _exact_run(
+            q, qmu, m, l, acc, wk_ptr + b.to(tl.int64) * stride_wk_b + h.to(tl.int64) * stride_wk_h,
+            wv_ptr + b.to(tl.int64) * stride_wv_b + h.to(tl.int64) * stride_wv_h, valid_row, n_window, n_sinks + n,
+            stride_wk_t, stride_wv_t, HAS_VALID, DH, DH_PAD, BLOCK_E)
+    slot = (bh.to(tl.int64) * (n_splits + 1) + split) * G
+    tl.store(m_ptr + slot + g, m, mask=g < G)
+    tl.store(l_ptr + slot + g, l, mask=g < G)
+    tl.store(acc_ptr + (slot + g[:, None]) * DH + c[None, :], acc, mask=(g < G)[:, None] & (c < DH)[None, :])
 
 
-@triton.jit
-def _exact_run(
-    q, qmu, m, l, acc, k_ptr, v_ptr, valid_ptr, length, pos0, stride_k_t, stride_v_t, d_mask,
-    HAS_VALID: tl.constexpr, DH: tl.constexpr, BLOCK_E: tl.constexpr,
-):
-    """Online softmax of one query over ``length`` exact tokens (cache positions ``pos0 …``): updated ``(m, l, acc)``."""
-    c = tl.arange(0, DH)
-    for e0 in range(0, length, BLOCK_E):
-        e = e0 + tl.arange(0, BLOCK_E)
-        e_mask = e < length
-        k = tl.load(k_ptr + e[:, None] * stride_k_t + c[None, :], mask=e_mask[:, None] & d_mask[None, :], other=0.0)
-        v = tl.load(v_ptr + e[:, None] * stride_v_t + c[None, :], mask=e_mask[:, None] & d_mask[None, :], other=0.0)
-        s = tl.sum(k.to(tl.float32) * q[None, :], axis=1) - qmu
-        ok = e_mask
-        if HAS_VALID:
-            ok = ok & (tl.load(valid_ptr + pos0 + e, mask=e_mask, other=0) != 0)
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(s - m_safe)
-        l = l * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
-        m = m_new
-    return m, l, acc
-
-
-@triton.jit(do_not_specialize=["n_splits", "n_sinks", "n_window", "n_codes"])
-def combine_kernel(
-    qx_ptr, m_ptr, l_ptr, acc_ptr, back_ptr, k_mean_ptr, v_mean_ptr,
-    sk_ptr, sv_ptr, wk_ptr, wv_ptr, valid_ptr, out_ptr,
-    n_heads, n_splits, n_sinks, n_window, n_codes,
-    stride_sk_b, stride_sk_h, stride_sk_t, stride_sv_b, stride_sv_h, stride_sv_t,
-    stride_wk_b, stride_wk_h, stride_wk_t, stride_wv_b, stride_wv_h, stride_wv_t, stride_valid_b,
-    G: tl.constexpr, D: tl.constexpr, DH: tl.constexpr, DH_PAD: tl.constexpr,
-    HAS_VALID: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
-):
-    """Program ``(bh, g)``, one query head: merge its coded slices, map them back (``back`` ``(D, DH)``), add the
-    exact tokens, write ``out[bh, g]`` ``(DH,)`` in ``out``'s dtype. ``qx`` ``(b·h·G, DH)`` float32 is ``log2(e)·scaling·q``."""
+@triton.jit(do_not_specialize=["n_parts"])
+def combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, n_parts, G: tl.constexpr, DH: tl.constexpr, BLOCK_S: tl.constexpr,
+                   BLOCK_C: tl.constexpr):
+    """Program ``(bh, g, chunk)``: log-sum-exp merge of the ``n_parts`` partials of query head ``g`` of ``bh`` over
+    channels ``chunk·BLOCK_C …``, written to ``out[bh, g]`` in ``out``'s dtype (all partials in one tile)."""
     bh = tl.program_id(0)
     gq = tl.program_id(1)
-    b = bh // n_heads
-    h = bh % n_heads
-    row = bh.to(tl.int64) * G + gq
-    c = tl.arange(0, DH_PAD)
-    d_mask = c < DH
-    # coded part: log-sum-exp merge of the slices, then back to head channels BLOCK_R rotated channels at a time
+    c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     s = tl.arange(0, BLOCK_S)
-    slots = (bh.to(tl.int64) * n_splits + s) * G + gq
-    m_s = tl.load(m_ptr + slots, mask=s < n_splits, other=float("-inf"))
-    m_c = tl.max(m_s, axis=0)
-    m_c_safe = tl.where(m_c == float("-inf"), 0.0, m_c)
-    w = tl.exp2(m_s - m_c_safe)
-    l_c = tl.sum(w * tl.load(l_ptr + slots, mask=s < n_splits, other=0.0), axis=0)
-    coded = l_c * tl.load(v_mean_ptr + bh.to(tl.int64) * DH + c, mask=d_mask, other=0.0)
-    for r0 in range(0, D, BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
-        part = tl.load(acc_ptr + slots[:, None] * D + r[None, :], mask=(s < n_splits)[:, None] & (r < D)[None, :], other=0.0)
-        back = tl.load(back_ptr + r[:, None] * DH + c[None, :], mask=(r < D)[:, None] & d_mask[None, :], other=0.0)
-        acc_r = tl.sum(w[:, None] * part, axis=0)
-        coded += tl.sum(acc_r[:, None] * back, axis=0)
-    # exact part: sinks, then the window (cache positions 0 … and n_sinks + n_codes …)
-    q = tl.load(qx_ptr + row * DH + c, mask=d_mask, other=0.0)
-    qmu = tl.sum(q * tl.load(k_mean_ptr + bh.to(tl.int64) * DH + c, mask=d_mask, other=0.0), axis=0)
-    m_e = tl.max(tl.full((1,), float("-inf"), tl.float32), axis=0)
-    l_e = tl.sum(tl.zeros((1,), tl.float32), axis=0)
-    acc_e = tl.zeros((DH_PAD,), tl.float32)
-    valid_row = valid_ptr + b.to(tl.int64) * stride_valid_b
-    m_e, l_e, acc_e = _exact_run(
-        q, qmu, m_e, l_e, acc_e, sk_ptr + b.to(tl.int64) * stride_sk_b + h.to(tl.int64) * stride_sk_h,
-        sv_ptr + b.to(tl.int64) * stride_sv_b + h.to(tl.int64) * stride_sv_h, valid_row, n_sinks, 0,
-        stride_sk_t, stride_sv_t, d_mask, HAS_VALID, DH_PAD, BLOCK_E)
-    m_e, l_e, acc_e = _exact_run(
-        q, qmu, m_e, l_e, acc_e, wk_ptr + b.to(tl.int64) * stride_wk_b + h.to(tl.int64) * stride_wk_h,
-        wv_ptr + b.to(tl.int64) * stride_wv_b + h.to(tl.int64) * stride_wv_h, valid_row, n_window, n_sinks + n_codes,
-        stride_wk_t, stride_wv_t, d_mask, HAS_VALID, DH_PAD, BLOCK_E)
-    m = tl.maximum(m_c, m_e)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w_c = tl.exp2(m_c - m_safe)
-    w_e = tl.exp2(m_e - m_safe)
-    total = w_c * l_c + w_e * l_e
-    out = (w_c * coded + w_e * acc_e) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + row * DH + c, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    slots = (bh.to(tl.int64) * n_parts + s) * G + gq
+    m_s = tl.load(m_ptr + slots, mask=s < n_parts, other=float("-inf"))
+    m_max = tl.max(m_s, axis=0)
+    w = tl.exp2(m_s - tl.where(m_max == float("-inf"), 0.0, m_max))
+    total = tl.sum(w * tl.load(l_ptr + slots, mask=s < n_parts, other=0.0), axis=0)
+    part = tl.load(acc_ptr + slots[:, None] * DH + c[None, :], mask=(s < n_parts)[:, None] & (c < DH)[None, :], other=0.0)
+    out = tl.sum(w[:, None] * part, axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + (bh.to(tl.int64) * G + gq) * DH + c, out.to(out_ptr.dtype.element_ty), mask=c < DH)
 
 
 # ---------------------------------------------------------------------------------------------- launcher
-#: coded tokens per tile of :func:`split_kernel`
+#: coded tokens per tile of :func:`split_kernel`, its warps and software-pipelining stages
 BLOCK_N = 128
-#: aim for this many split programs per SM (enough to hide the code loads' latency)
-PROGRAMS_PER_SM = 8
 NUM_WARPS = 4
 NUM_STAGES = 2
-#: on CUDA, decode 4-bit codes with PTX byte permutes (:func:`nibble_asm`) instead of a table gather
+#: split-kernel programs per SM (coded slices and the exact-token program together: one wave), and a register cap
+#: per thread (``maxnreg``; ``None``: the compiler's choice)
+PROGRAMS_PER_SM = 4
+MAX_REGISTERS: int | None = 128
+#: on CUDA, decode 4-bit codes with PTX byte permutes (:func:`~.unpack.nibble_pair_asm`) instead of a table gather
 ASM_DECODE = True
-#: rotated channels / exact tokens per step of :func:`combine_kernel`, and its warps (H200, batch 1, 32k tokens,
-#: graph-replayed, cold L2: 21.0 µs with 4 warps, 24.8 with 8; 64 rows against 32 or 128 rows: 21.0, 23.6, 21.7)
-COMBINE_ROWS = 64
-COMBINE_WARPS = 4
-#: at most this many slices per head (the combine kernel merges them in one tile)
+#: exact tokens per step of the exact-token program; output channels per :func:`combine_kernel` program
+BLOCK_E = 64
+COMBINE_CHANNELS = 32
+#: at most this many coded slices per head
 MAX_SPLITS = 128
 _SM_COUNT: dict[int, int] = {}
 
@@ -286,55 +256,74 @@ _ORDERED: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 
 
 def _in_kernel_order(matrix: torch.Tensor, layout: Layout, dim: int) -> torch.Tensor:
-    """``matrix`` float32 with its rotated-channel axis ``dim`` in :func:`channel_order` (cached per tensor)."""
+    """``matrix`` as float16 with its rotated-channel axis ``dim`` in :func:`channel_order` (cached per tensor)."""
     key = (id(matrix), matrix.device, layout, dim)
     hit = _ORDERED.get(key)
     if hit is None or hit[0] is not matrix:
         order = channel_order(layout).to(matrix.device)
-        hit = _ORDERED[key] = (matrix, matrix.float().index_select(dim, order).contiguous())
+        hit = _ORDERED[key] = (matrix, matrix.index_select(dim, order).half().contiguous())
         while len(_ORDERED) > 64:
             _ORDERED.popitem(last=False)
     return hit[1]
 
 
 def _asm(table: CodeTable, prefix: str, use: bool) -> dict[str, str]:
-    """``{prefix}{0,1}_ASM`` constexprs: :func:`nibble_asm` for a nibble-split layout (cached on ``table``), else ``""``."""
+    """``{prefix}_ASM``: :func:`~.unpack.nibble_pair_asm` for a nibble-split layout (cached on ``table``), else ``""``."""
     if not (use and _nibble_split(table.layout)):
-        return {f"{prefix}0_ASM": "", f"{prefix}1_ASM": ""}
+        return {f"{prefix}_ASM": ""}
     key = "tqvec.kernels.attention.asm"
     if key not in table._luts:
-        table._luts[key] = (nibble_asm(table.levels[0], 0), nibble_asm(table.levels[0], 4))
-    low, high = table._luts[key]
-    return {f"{prefix}0_ASM": low, f"{prefix}1_ASM": high}
+        table._luts[key] = nibble_pair_asm(table.levels[0])
+    return {f"{prefix}_ASM": table._luts[key]}
 
 
 @functools.lru_cache(maxsize=64)
 def _segments(layout: Layout, prefix: str) -> dict[str, int]:
-    """Constexprs ``{prefix}{0,1}_{CH,DIM,BITS,NBYTES,BYTE,ROW,NIB,PAD}`` of the kernel's (at most two) segments:
-    the low and high nibbles of a nibble-split layout, else the layout's own (:func:`~.ops.segment_args`)."""
+    """Constexprs ``{prefix}{0,1}_{CH,DIM,BITS,NBYTES,BYTE,ROW,PAD}`` and ``{prefix}_NIBBLES`` of the kernel's (at most
+    two) segments: the low and high nibbles of a nibble-split layout, else the layout's own (:func:`~.ops.segment_args`)."""
     if _nibble_split(layout):
         half = layout.dim // 2
-        out = {f"{prefix}{s}_{k}": v for s, nib in enumerate((0, 4))
-               for k, v in dict(CH=s * half, DIM=half, BITS=4, NBYTES=half, BYTE=0, ROW=0, NIB=nib).items()}
+        out = {f"{prefix}{s}_{k}": v for s in range(2)
+               for k, v in dict(CH=s * half, DIM=half, BITS=4, NBYTES=half, BYTE=0, ROW=0).items()}
     else:
-        out = segment_args(layout, prefix) | {f"{prefix}{s}_NIB": -1 for s in range(2)}
+        out = segment_args(layout, prefix)
+    out[f"{prefix}_NIBBLES"] = _nibble_split(layout)
     for s in range(2):  # channels per tl.dot: at least MIN_BLOCK_D (16 miscompiled on the H200)
         out[f"{prefix}{s}_PAD"] = max(MIN_BLOCK_D, triton.next_power_of_2(max(out[f"{prefix}{s}_DIM"], 1)))
     return out
 
 
 def _n_splits(device: torch.device, heads: int, n: int, interpret: bool) -> int:
-    """Slices per head: about ``PROGRAMS_PER_SM`` programs per SM, at least one tile of tokens each."""
+    """Coded slices per head: ``heads · (slices + 1)`` programs fill ``PROGRAMS_PER_SM`` per SM without starting a
+    second wave; at least one slice, at most one per tile of tokens."""
+    if n == 0:
+        return 0
     if interpret:
         return max(1, min(3, triton.cdiv(n, 16)))
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * _SM_COUNT[index], heads), triton.cdiv(n, BLOCK_N), MAX_SPLITS))
+    return max(1, min(PROGRAMS_PER_SM * _SM_COUNT[index] // heads - 1, triton.cdiv(n, BLOCK_N), MAX_SPLITS))
 
 
-def decode_attention(a: DecodeAttention) -> torch.Tensor:
-    """Output ``(b, h, G, head_dim)`` in ``a.queries.dtype`` of one decode step (see the module docstring)."""
+def _strides(t: torch.Tensor, dims: int) -> tuple[int, ...]:
+    return tuple(t.stride(i) for i in range(dims))
+
+
+@dataclass
+class Partials:
+    """Per-slice softmax state of one decode step: ``m``, ``l`` ``(b·h, parts, G)`` and ``acc`` ``(b·h, parts, G, head_dim)``
+    float32 (``parts`` = coded slices + 1 exact part), and the output's shape and dtype."""
+
+    m: torch.Tensor
+    l: torch.Tensor
+    acc: torch.Tensor
+    shape: tuple[int, int, int, int]
+    dtype: torch.dtype
+
+
+def split(a: DecodeAttention) -> Partials:
+    """Run :func:`split_kernel` over the coded slices and the exact tokens of one decode step."""
     interpret = interpreting()
     q = a.queries
     b, h, G, dh = q.shape
@@ -344,47 +333,57 @@ def decode_attention(a: DecodeAttention) -> torch.Tensor:
         raise ValueError("keys and values must share the rotated dimension")
     dev = q.device
     block_n = 16 if interpret else BLOCK_N
-    q_rows = q.reshape(b * h * G, dh)
-    if q_rows.stride(1) != 1:
+    q_rows = q.reshape(b * h, G, dh)
+    if q_rows.stride(2) != 1:
         q_rows = q_rows.contiguous()
-    qx = torch.empty(b * h * G, dh, dtype=torch.float32, device=dev)
-    q_rot = torch.empty(b * h * G, D, dtype=torch.float32, device=dev)
-    query_kernel[(b * h * G,)](q_rows, _in_kernel_order(a.key_rotation, keys.table.layout, 1), qx, q_rot,
-                               q_rows.stride(0), a.scaling * LOG2E, DH=dh, D=D, DH_PAD=triton.next_power_of_2(dh),
-                               D_PAD=triton.next_power_of_2(D), num_warps=8)
-    back = _in_kernel_order(a.value_back, values.table.layout, 0)
     n = a.n_codes
-    splits = _n_splits(dev, b * h, n, interpret) if n else 1
-    per_split = triton.cdiv(triton.cdiv(max(n, 1), splits), block_n) * block_n
-    splits = triton.cdiv(max(n, 1), per_split)
-    m = torch.empty(b * h, splits, G, dtype=torch.float32, device=dev)
+    splits = _n_splits(dev, b * h, n, interpret)
+    per_split = triton.cdiv(triton.cdiv(max(n, 1), max(splits, 1)), block_n) * block_n
+    splits = triton.cdiv(n, per_split)
+    m = torch.empty(b * h, splits + 1, G, dtype=torch.float32, device=dev)
     l = torch.empty_like(m)
-    acc = torch.empty(b * h, splits, G, D, dtype=torch.float32, device=dev)
+    acc = torch.empty(b * h, splits + 1, G, dh, dtype=torch.float32, device=dev)
     valid = a.valid
     has_valid = valid is not None
     if has_valid and valid.dtype == torch.bool:
         valid = valid.view(torch.uint8)
-    codes_valid = valid[:, a.sink_keys.shape[2]:] if has_valid else m
     kp, ks, vp, vs = keys.packed, keys.scale, values.packed, values.scale
-    split_kernel[(b * h, splits)](
-        q_rot, kp, ks, vp, vs, keys.table.levels, values.table.levels, codes_valid, m, l, acc, n, per_split, h, splits,
-        kp.stride(0), kp.stride(1), kp.stride(2), ks.stride(0), ks.stride(1),
-        vp.stride(0), vp.stride(1), vp.stride(2), vs.stride(0), vs.stride(1), codes_valid.stride(0) if has_valid else 0,
-        G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, **_segments(keys.table.layout, "K"),
-        **_segments(values.table.layout, "V"), HAS_VALID=has_valid, BLOCK_N=block_n,
-        **_asm(keys.table, "K", ASM_DECODE and not interpret), **_asm(values.table, "V", ASM_DECODE and not interpret),
-        num_warps=NUM_WARPS, num_stages=1 if interpret else NUM_STAGES,
-    )
-    out = torch.empty(b, h, G, dh, dtype=q.dtype, device=dev)
     sk, sv, wk, wv = a.sink_keys, a.sink_values, a.window_keys, a.window_values
-    combine_kernel[(b * h, G)](
-        qx, m, l, acc, back, a.key_mean.float().contiguous(), a.value_mean.float().contiguous(),
-        sk, sv, wk, wv, valid if has_valid else m, out, h, splits, sk.shape[2], wk.shape[2], n,
-        sk.stride(0), sk.stride(1), sk.stride(2), sv.stride(0), sv.stride(1), sv.stride(2),
-        wk.stride(0), wk.stride(1), wk.stride(2), wv.stride(0), wv.stride(1), wv.stride(2),
-        valid.stride(0) if has_valid else 0,
-        G=G, D=D, DH=dh, DH_PAD=max(16, triton.next_power_of_2(dh)), HAS_VALID=has_valid,
-        BLOCK_S=max(16, triton.next_power_of_2(splits)), BLOCK_R=16 if interpret else COMBINE_ROWS,
-        BLOCK_E=16 if interpret else COMBINE_ROWS, num_warps=COMBINE_WARPS,
+    split_kernel[(b * h, splits + 1)](
+        q_rows, _in_kernel_order(a.key_rotation, keys.table.layout, 1),
+        _in_kernel_order(a.value_back, values.table.layout, 0), a.key_mean.float().contiguous(),
+        a.value_mean.float().contiguous(), kp, ks, vp, vs, keys.table.levels, values.table.levels,
+        sk, sv, wk, wv, valid if has_valid else m, m, l, acc,
+        a.scaling * LOG2E, n, per_split, h, splits, sk.shape[2], wk.shape[2], q_rows.stride(0), q_rows.stride(1),
+        *_strides(kp, 3), *_strides(ks, 2), *_strides(vp, 3), *_strides(vs, 2),
+        *_strides(sk, 3), *_strides(sv, 3), *_strides(wk, 3), *_strides(wv, 3), valid.stride(0) if has_valid else 0,
+        G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, DH=dh, DH_PAD=_dh_pad(dh),
+        **_segments(keys.table.layout, "K"), **_asm(keys.table, "K", ASM_DECODE and not interpret),
+        **_segments(values.table.layout, "V"), **_asm(values.table, "V", ASM_DECODE and not interpret),
+        HAS_VALID=has_valid, BLOCK_N=block_n, BLOCK_E=16 if interpret else BLOCK_E,
+        num_warps=NUM_WARPS, num_stages=1 if interpret else NUM_STAGES,
+        **({} if interpret or MAX_REGISTERS is None else {"maxnreg": MAX_REGISTERS}),
+    )
+    return Partials(m, l, acc, (b, h, G, dh), q.dtype)
+
+
+def combine(p: Partials) -> torch.Tensor:
+    """Run :func:`combine_kernel`: the attention output ``(b, h, G, head_dim)`` in the queries' dtype."""
+    b, h, G, dh = p.shape
+    parts = p.m.shape[1]
+    out = torch.empty(p.shape, dtype=p.dtype, device=p.m.device)
+    block_c = min(COMBINE_CHANNELS, triton.next_power_of_2(dh))
+    combine_kernel[(b * h, G, triton.cdiv(dh, block_c))](
+        p.m, p.l, p.acc, out, parts, G=G, DH=dh, BLOCK_S=max(16, triton.next_power_of_2(parts)), BLOCK_C=block_c,
+        num_warps=4,
     )
     return out
+
+
+def _dh_pad(dh: int) -> int:
+    return max(MIN_BLOCK_D, triton.next_power_of_2(dh))
+
+
+def decode_attention(a: DecodeAttention) -> torch.Tensor:
+    """Output ``(b, h, G, head_dim)`` in ``a.queries.dtype`` of one decode step (see the module docstring)."""
+    return combine(split(a))

@@ -176,13 +176,20 @@ def pair_lut_values(
     return tl.where((channel < DIM)[None, :], values, 0.0)
 
 
-def nibble_asm(levels: torch.Tensor, shift: int) -> str:
-    """PTX for ``tl.inline_asm_elementwise(pack=4)``: 4 uint8 bytes in ``$2`` → the float16 levels of their low
-    (``shift`` 0) or high (4) nibbles in ``$0`` (elements 0, 1) and ``$1`` (2, 3); ``""`` when not applicable.
+def _lut(f) -> int:
+    """``lop3`` truth table of the three-input bitwise function ``f(a, b, c)``."""
+    return f(0xF0, 0xCC, 0xAA) & 0xFF
 
-    Needs a symmetric 16-level codebook (``level[c] = −level[15 − c]`` in float16; ``level[8 + j] ≥ 0``): the
-    magnitude index ``j`` of each code picks the low and high bytes of ``level[8 + j]`` from two 8-byte tables
-    (``prmt``, four codes per instruction), the sign bit is set for codes below 8.
+
+def nibble_pair_asm(levels: torch.Tensor) -> str:
+    """PTX for ``tl.inline_asm_elementwise(pack=4)`` with two float16 outputs: 4 uint8 bytes in ``$4`` → the levels of
+    their low nibbles in ``$0`` (elements 0, 1), ``$1`` (2, 3) and of their high nibbles in ``$2``, ``$3``; ``""`` when
+    not applicable.
+
+    Needs a symmetric 16-level codebook (``level[c] = −level[15 − c]`` in float16; ``level[8 + j] ≥ 0``). The eight
+    codes are gathered as nibbles of one ``prmt`` selector word, each code's magnitude index ``j`` (``c − 8``, or
+    ``7 − c`` below 8) is formed for all eight at once, two ``prmt`` per four codes pick the low and the high bytes of
+    ``level[8 + j]`` from 8-byte tables, and codes below 8 get the sign bit: 21 instructions per 8 levels.
     """
     half = levels[:16].to(torch.float16).cpu()
     if half.numel() != 16 or not torch.equal(half, -half.flip(0)) or bool((half[8:] < 0).any()):
@@ -191,30 +198,33 @@ def nibble_asm(levels: torch.Tensor, shift: int) -> str:
     word = lambda values: sum((v & 0xFF) << (8 * i) for i, v in enumerate(values))  # noqa: E731
     lo0, lo1 = word(bits[:4]), word(bits[4:])
     hi0, hi1 = word([b >> 8 for b in bits[:4]]), word([b >> 8 for b in bits[4:]])
-    take = f"shr.b32 t, $2, {shift};" if shift else "mov.b32 t, $2;"
+    pick = _lut(lambda a, b, c: (a & ~c) | (b & c))
     return (
-        "{ .reg .b32 t, n, m, j, s, l, h, a, b, c, d; "
-        f"{take} and.b32 t, t, 0x0F0F0F0F; "
-        "shr.b32 n, t, 3; and.b32 n, n, 0x01010101; xor.b32 n, n, 0x01010101; "  # n: 1 where code < 8
-        "shl.b32 m, n, 3; sub.u32 m, m, n; and.b32 j, t, 0x07070707; xor.b32 j, j, m; "  # j = code&7 ^ (7 if neg)
-        "shr.b32 s, j, 4; or.b32 s, s, j; prmt.b32 s, s, s, 0x3320; "  # selector nibbles j0 j1 j2 j3
+        "{ .reg .b32 w4, w8, x, y, s, n, m, j, k, a, b, c, d, t; "
+        # selector word s: nibbles c0 c1 c2 c3 (low nibbles of bytes 0..3), then d0 d1 d2 d3 (high nibbles)
+        f"shr.b32 w4, $4, 4; shr.b32 w8, $4, 8; lop3.b32 x, $4, w4, 0x00F000F0, {pick:#x}; "
+        f"lop3.b32 y, w4, w8, 0x00F000F0, {pick:#x}; prmt.b32 s, x, y, 0x6420; "
+        # n: 8 in the nibbles of codes below 8; j = (c ^ 7·[c < 8]) & 7
+        f"lop3.b32 n, s, 0x88888888, 0, {_lut(lambda a, b, c: ~a & b):#x}; shr.b32 m, n, 3; sub.u32 m, n, m; "
+        f"lop3.b32 j, s, m, 0x77777777, {_lut(lambda a, b, c: (a ^ b) & c):#x}; shr.b32 k, j, 16; "
         f"mov.b32 a, {lo0:#x}; mov.b32 b, {lo1:#x}; mov.b32 c, {hi0:#x}; mov.b32 d, {hi1:#x}; "
-        "prmt.b32 l, a, b, s; prmt.b32 h, c, d, s; shl.b32 n, n, 7; or.b32 h, h, n; "
-        "prmt.b32 $0, l, h, 0x5140; prmt.b32 $1, l, h, 0x7362; }"
+        "prmt.b32 x, a, b, j; prmt.b32 y, c, d, j; prmt.b32 w8, a, b, k; prmt.b32 t, c, d, k; "
+        # sign bits: byte i of $4 holds the low code's bit 3 at bit 3 and the high code's at bit 7
+        f"shl.b32 w4, $4, 4; lop3.b32 y, y, w4, 0x80808080, {_lut(lambda a, b, c: a | (~b & c)):#x}; "
+        f"lop3.b32 t, t, $4, 0x80808080, {_lut(lambda a, b, c: a | (~b & c)):#x}; "
+        "prmt.b32 $0, x, y, 0x5140; prmt.b32 $1, x, y, 0x7362; prmt.b32 $2, w8, t, 0x5140; prmt.b32 $3, w8, t, 0x7362; }"
     )
 
 
 @triton.jit
-def nibble_values(row_ptrs, row_mask, byte0, b0, NBYTES: tl.constexpr, WIDTH: tl.constexpr, levels_ptr,
-                  SHIFT: tl.constexpr, ASM: tl.constexpr):
-    """Float16 levels ``(BLOCK_N, WIDTH)`` of the low (``SHIFT`` 0) or high (4) nibbles of bytes ``b0 .. b0 + WIDTH``
-    of a 4-bit segment: channels ``2·byte`` or ``2·byte + 1``, no reshuffling. Decoded by :func:`nibble_asm`'s
-    ``ASM`` (built for the same ``SHIFT``) when given, else gathered from ``levels_ptr``. Bytes past ``NBYTES``
-    and masked rows read as byte 0."""
-    offs = b0 + tl.arange(0, WIDTH)
-    raw = tl.load(row_ptrs[:, None] + (byte0 + offs)[None, :], mask=row_mask[:, None] & (offs < NBYTES)[None, :], other=0)
+def nibble_pairs(raw, levels_ptr, ASM: tl.constexpr):
+    """Float16 levels of the low and of the high nibbles of uint8 ``raw`` (any shape; a 4-bit segment's bytes: channels
+    ``2·byte`` and ``2·byte + 1``), by :func:`nibble_pair_asm`'s ``ASM`` when given, else gathered from ``levels_ptr``."""
     if ASM != "":
-        values = tl.inline_asm_elementwise(ASM, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+        low, high = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r", [raw], dtype=(tl.float16, tl.float16), is_pure=True,
+                                              pack=4)
     else:
-        values = tl.load(levels_ptr + ((raw.to(tl.int32) >> SHIFT) & 15)).to(tl.float16)
-    return values
+        code = raw.to(tl.int32)
+        low = tl.load(levels_ptr + (code & 15)).to(tl.float16)
+        high = tl.load(levels_ptr + (code >> 4)).to(tl.float16)
+    return low, high

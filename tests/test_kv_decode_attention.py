@@ -69,9 +69,9 @@ def test_attend_is_close_to_exact_attention_at_8_bits():
     (2, 48, 3, 61, torch.bfloat16), (3, 32, 4, 19, torch.float32), (1, 32, 2, 90, torch.float32),
 ])
 def test_kernels_equal_torch_reference(bits, d, group, tokens, dtype):
-    """Triton kernels (on CUDA, or the interpreter on CPU) vs the torch reference. The kernels round the rotated queries, the
-    levels and the probabilities to float16 (relative 2⁻¹¹ each): 3e-3 relative error bound, plus the output
-    dtype's own rounding for float16/bfloat16 queries (bfloat16: 2⁻⁸)."""
+    """Triton kernels (on CUDA, or the interpreter on CPU) vs the torch reference. The kernels round the queries, the
+    rotation matrices, the levels and the probabilities to float16 and map values back in TF32 (relative 2⁻¹¹ each):
+    3e-3 relative error bound, plus the output dtype's own rounding for float16/bfloat16 queries (bfloat16: 2⁻⁸)."""
     handle, _, _, g = _layer(bits, d, tokens, batch=2, device=KERNEL_DEVICE)
     q = _query(handle, group, g, dtype)
     mask = torch.ones(2, 1, 1, handle.kv_length, dtype=torch.bool, device=KERNEL_DEVICE)
@@ -99,46 +99,56 @@ def test_attend_rejects_a_wrong_mask():
         scan.attend(bad)
 
 
-def _run_ptx(asm: str, x: int) -> tuple[int, int]:
-    """Execute the straight-line PTX subset that :func:`nibble_asm` emits on one 32-bit input ``$2``."""
-    regs = {"$2": x}
+def _lop3(a: int, b: int, c: int, lut: int) -> int:
+    """PTX ``lop3``: bit ``i`` of the result is bit ``(a_i << 2) | (b_i << 1) | c_i`` of ``lut``."""
+    out = 0
+    for k in range(8):
+        if (lut >> k) & 1:
+            pick = lambda x, bit: x if bit else ~x  # noqa: E731
+            out |= pick(a, k & 4) & pick(b, k & 2) & pick(c, k & 1)
+    return out
+
+
+def _run_ptx(asm: str, x: int) -> list[int]:
+    """Execute the straight-line PTX subset that :func:`nibble_pair_asm` emits on one 32-bit input ``$4``: ``$0 … $3``."""
+    regs = {"$4": x}
     val = lambda tok: int(tok, 0) if tok[0].isdigit() else regs[tok]  # noqa: E731
-    body = asm.strip("{} ").split(";")
-    for stmt in body:
+    for stmt in asm.strip("{} ").split(";"):
         stmt = stmt.strip()
         if not stmt or stmt.startswith(".reg"):
             continue
         op, args = stmt.split(None, 1)
-        d, *src = [a.strip() for a in args.split(",")]
+        d, *src = [t.strip() for t in args.split(",")]
         a = [val(t) for t in src]
         if op == "prmt.b32":
             pool = a[0] | (a[1] << 32)
+            assert all(((a[2] >> (4 * i)) & 8) == 0 for i in range(4)), "sign-replicate selectors are not emulated"
             out = sum(((pool >> (8 * ((a[2] >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        elif op == "lop3.b32":
+            out = _lop3(a[0], a[1], a[2], a[3])
         else:
             out = {"mov.b32": lambda: a[0], "shr.b32": lambda: a[0] >> a[1], "shl.b32": lambda: a[0] << a[1],
-                   "and.b32": lambda: a[0] & a[1], "or.b32": lambda: a[0] | a[1], "xor.b32": lambda: a[0] ^ a[1],
                    "sub.u32": lambda: a[0] - a[1]}[op]()
         regs[d] = out & 0xFFFFFFFF
-    return regs["$0"], regs["$1"]
+    return [regs[f"${i}"] for i in range(4)]
 
 
-@pytest.mark.parametrize("shift", [0, 4])
-def test_nibble_asm_decodes_every_code(shift):
-    """The PTX decoder of 4-bit levels, executed by a small emulator: bit-exact float16 levels for all 16 codes in
-    every byte lane (runs on the GPU only on CUDA; this checks its arithmetic on CPU)."""
+def test_nibble_pair_asm_decodes_every_code():
+    """The PTX decoder of 4-bit levels, executed by a small emulator: bit-exact float16 levels of both nibbles of every
+    byte lane, all 256 byte values (runs on the GPU only on CUDA; this checks its arithmetic on CPU)."""
     levels = HeadCodec(128, 4).groups[0].quantizer.table("cpu").levels[0]
-    asm = unpack.nibble_asm(levels, shift)
+    asm = unpack.nibble_pair_asm(levels)
     assert asm
     expected = levels[:16].half().view(torch.int16).int() & 0xFFFF
-    rng = torch.Generator().manual_seed(0)
-    for _ in range(64):
-        data = torch.randint(0, 256, (4,), generator=rng).tolist()
-        lo, hi = _run_ptx(asm, sum(b << (8 * i) for i, b in enumerate(data)))
-        got = [lo & 0xFFFF, lo >> 16, hi & 0xFFFF, hi >> 16]
-        assert got == [int(expected[(b >> shift) & 15]) for b in data]
+    halves = lambda word: [word & 0xFFFF, word >> 16]  # noqa: E731
+    for first in range(256):
+        data = [(first + i * 67) % 256 for i in range(4)]  # every byte value in every lane
+        lo0, lo1, hi0, hi1 = _run_ptx(asm, sum(v << (8 * i) for i, v in enumerate(data)))
+        assert halves(lo0) + halves(lo1) == [int(expected[v & 15]) for v in data]
+        assert halves(hi0) + halves(hi1) == [int(expected[v >> 4]) for v in data]
 
 
-def test_nibble_asm_declines_an_asymmetric_codebook():
+def test_nibble_pair_asm_declines_an_asymmetric_codebook():
     levels = HeadCodec(128, 4).groups[0].quantizer.table("cpu").levels[0].clone()
     levels[3] += 1e-2
-    assert unpack.nibble_asm(levels, 0) == ""
+    assert unpack.nibble_pair_asm(levels) == ""
