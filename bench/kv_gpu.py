@@ -30,6 +30,8 @@ from .kv_step import decode_ms
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HQ, HKV, D = 32, 8, 128
+#: untimed decode steps before the end-to-end timing (two TurboQuantCache compression rounds)
+E2E_WARMUP = 40
 
 
 _FLUSH: list[torch.Tensor] = []
@@ -105,30 +107,36 @@ def _code_bytes(layer: TurboQuantLayer) -> int:
 
 
 def end_to_end(layers: int, context: int, new_tokens: int, bits: float) -> list[dict[str, float]]:
-    """Greedy decode tokens/s (after two untimed warm-up steps) and peak memory, random Llama-3-8B-shaped model with
-    ``layers`` layers."""
+    """Eager greedy decode tokens/s and peak memory, random Llama-3-8B-shaped model with ``layers`` layers. Warm-up:
+    ``E2E_WARMUP`` untimed steps, so that the timed ones include no kernel compilation (TurboQuantCache compresses
+    ``compress_chunk`` tokens at a time: the first compression after prefill compiles its kernels). DynamicCache runs
+    twice: PyTorch's default SDPA backend choice (cuDNN here) and with the cuDNN backend switched off."""
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
 
     cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=HQ, num_key_value_heads=HKV,
-                      head_dim=D, num_hidden_layers=layers, vocab_size=128256, max_position_embeddings=context + 64)
+                      head_dim=D, num_hidden_layers=layers, vocab_size=128256, max_position_embeddings=context + 256)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg).half().eval()
     ids = torch.randint(0, cfg.vocab_size, (1, context), device="cuda")
     rows = []
-    for name, impl, make in (("DynamicCache + sdpa", "sdpa", lambda: DynamicCache(config=cfg)),
-                             (f"TurboQuantCache {bits:g}b + tqvec", "tqvec", lambda: TurboQuantCache(cfg, key_bits=bits, value_bits=bits))):
+    runs = (("DynamicCache + sdpa", "sdpa", True, lambda: DynamicCache(config=cfg)),
+            ("DynamicCache + sdpa, cuDNN off", "sdpa", False, lambda: DynamicCache(config=cfg)),
+            (f"TurboQuantCache {bits:g}b + tqvec", "tqvec", True, lambda: TurboQuantCache(cfg, key_bits=bits, value_bits=bits)))
+    for name, impl, cudnn, make in runs:
         model.set_attn_implementation(impl)
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         cache = make()
-        seconds = decode_ms(model, cache, ids, new_tokens) * new_tokens / 1000
+        seconds = decode_ms(model, cache, ids, new_tokens, warmup=E2E_WARMUP) * new_tokens / 1000
         cache_bytes = cache.nbytes() if isinstance(cache, TurboQuantCache) else sum(
             t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
         rows.append({"cache": name, "layers": layers, "context": context, "tokens_per_s": new_tokens / seconds,
                      "peak_mem_gib": (torch.cuda.max_memory_allocated() - base) / 2 ** 30, "cache_mib": cache_bytes / 2 ** 20})
         del cache
+    torch.backends.cuda.enable_cudnn_sdp(True)
     return rows
 
 
@@ -150,7 +158,7 @@ def _markdown(rows: list[dict], e2e: list[dict], command: str, device: str) -> s
                    f"{r['code_bytes_read'] / r['tqvec_graph_us'] / 1e3:.0f} | {r['rel_err']:.3f} | "
                    f"{r['fp16_bytes'] / 2**20:.0f} MiB → {r['tqvec_bytes'] / 2**20:.0f} MiB |")
     if e2e:
-        out += ["", "End-to-end greedy decode (random Llama-3-8B-shaped model, fewer layers):", "",
+        out += ["", "End-to-end eager greedy decode (random Llama-3-8B-shaped model, fewer layers; after " + str(E2E_WARMUP) + " untimed steps):", "",
                 "| cache | layers | context | tokens/s | peak extra memory GiB | cache MiB |", "|---|---|---|---|---|---|"]
         out += [f"| {r['cache']} | {r['layers']} | {r['context']} | {r['tokens_per_s']:.1f} | {r['peak_mem_gib']:.2f} | "
                 f"{r['cache_mib']:.0f} |" for r in e2e]
@@ -206,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--e2e-layers", type=int, default=4, help="0 skips the end-to-end decode")
     p.add_argument("--e2e-context", type=int, default=32768)
-    p.add_argument("--e2e-tokens", type=int, default=16)
+    p.add_argument("--e2e-tokens", type=int, default=64)
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--sweep", action="store_true", help="time split-kernel configurations instead (kv_gpu_sweep.json)")
     p.add_argument("--config", type=int, nargs=5, metavar=("BLOCK_N", "WARPS", "STAGES", "PER_SM", "MAX_REGS"),

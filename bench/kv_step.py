@@ -23,16 +23,16 @@ from tqvec.kv import TurboQuantCache
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def decode_ms(model, cache, ids: torch.Tensor, tokens: int) -> float:
-    """Milliseconds per greedy decode step of ``model`` over ``cache``: prefill ``ids`` ``(1, context)``, two untimed
-    warm-up steps (kernel compilation, allocator), then ``tokens`` timed steps (synchronized on CUDA)."""
+def decode_ms(model, cache, ids: torch.Tensor, tokens: int, warmup: int = 2) -> float:
+    """Milliseconds per greedy decode step of ``model`` over ``cache``: prefill ``ids`` ``(1, context)``, ``warmup``
+    untimed steps (kernel compilation, allocator), then ``tokens`` timed steps (synchronized on CUDA)."""
     def sync() -> None:
         if ids.is_cuda:
             torch.cuda.synchronize()
 
     with torch.no_grad():
         token = model(input_ids=ids, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
-        for _ in range(2):
+        for _ in range(warmup):
             token = model(input_ids=token, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
         sync()
         start = time.perf_counter()
