@@ -307,6 +307,7 @@ def _n_splits(device: torch.device, heads: int, n: int, interpret: bool) -> int:
 
 
 def _strides(t: torch.Tensor, dims: int) -> tuple[int, ...]:
+    """Element strides of ``t``'s first ``dims`` axes (kernel arguments)."""
     return tuple(t.stride(i) for i in range(dims))
 
 
@@ -381,6 +382,7 @@ def combine(p: Partials) -> torch.Tensor:
 
 
 def _dh_pad(dh: int) -> int:
+    """Head channels per ``tl.dot`` operand: a power of two, at least ``MIN_BLOCK_D``."""
     return max(MIN_BLOCK_D, triton.next_power_of_2(dh))
 
 
