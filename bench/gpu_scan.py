@@ -304,15 +304,7 @@ def _check_case(bits: float, mode: str, d: int, n: int, nq: int) -> bool:
 
 def graph_ms(fn: Callable[[], object]) -> float:
     """:func:`time_ms` of ``fn`` replayed from a captured CUDA graph (no host launch overhead)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_ms(graph.replay, 50, 10)
+    return time_ms(ops.capture_graph(fn)[0].replay, 50, 10)
 
 
 def sweep() -> None:

@@ -47,15 +47,9 @@ def _time_ms(fn: Callable[[], object], iters: int, graph: bool = False) -> float
         fn()
     run = fn
     if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph):
-            fn()
-        run = cuda_graph.replay
+        from tqvec.kernels.ops import capture_graph  # noqa: PLC0415 - CUDA only
+
+        run = capture_graph(fn)[0].replay
     times = []
     for _ in range(iters):
         _FLUSH[0].zero_()

@@ -32,8 +32,9 @@ from __future__ import annotations
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import triton
@@ -45,6 +46,8 @@ from tqvec.scan import CodeBlock, CodeTable
 from . import topk as topk_kernels
 from .encode_kernel import encode_kernel
 from .scan_kernel import half_queries_kernel, matvec_kernel, refine_kernel, tile_kernel
+
+T = TypeVar("T")
 
 #: extra groups rescored beyond k per query (absorbs stage-1 float16 rounding)
 GROUP_MARGIN = 8
@@ -445,17 +448,24 @@ def _evict() -> None:
 def _capture(
     q: torch.Tensor, p: torch.Tensor | None, block: CodeBlock, table: CodeTable, k: int, cfg: TileConfig,
 ) -> _SearchGraph:
-    """Capture :func:`_search` on static copies of the queries (after a warm-up on a side stream)."""
+    """Capture :func:`_search` on static copies of the queries."""
     static_q, static_p = q.clone(), None if p is None else p.clone()
-    side = torch.cuda.Stream(q.device)
-    side.wait_stream(torch.cuda.current_stream(q.device))
+    graph, (values, rows) = capture_graph(lambda: _search(static_q, static_p, block, table, k, cfg), q.device)
+    return _SearchGraph(graph, static_q, static_p, values, rows)
+
+
+def capture_graph(fn: Callable[[], T], device: torch.device | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Run ``fn`` once on a side stream (warm-up: compilation, allocator), then capture it in a CUDA graph on
+    ``device``: the graph and what ``fn`` returned during capture (static outputs that each replay rewrites)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
-        _search(static_q, static_p, block, table, k, cfg)
-    torch.cuda.current_stream(q.device).wait_stream(side)
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        values, rows = _search(static_q, static_p, block, table, k, cfg)
-    return _SearchGraph(graph, static_q, static_p, values, rows)
+        out = fn()
+    return graph, out
 
 
 def _pad(values: torch.Tensor, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
