@@ -15,4 +15,4 @@ PY
 )
 echo "best split-kernel configuration (BLOCK_N WARPS STAGES PER_SM MAX_REGS): $best"
 python3 -m bench.kv_gpu --config $best --contexts 4096 32768 131072 --batches 1 8 --iters 20 \
-    --e2e-layers 4 --e2e-context 32768 --e2e-tokens 16 --out "$out"
+    --e2e-layers 4 --e2e-context 32768 --e2e-tokens 64 --out "$out"

@@ -231,6 +231,9 @@ PROGRAMS_PER_SM = 4
 MAX_REGISTERS: int | None = 128
 #: on CUDA, decode 4-bit codes with PTX byte permutes (:func:`~.unpack.nibble_pair_asm`) instead of a table gather
 ASM_DECODE = True
+#: query rows per program: the GQA group padded to a power of two, at least this many (tensor-core tiles pad smaller
+#: ones themselves; fewer padded rows mean less softmax work)
+MIN_BLOCK_G = 8
 #: exact tokens per step of the exact-token program; output channels per :func:`combine_kernel` program
 BLOCK_E = 64
 COMBINE_CHANNELS = 32
@@ -358,7 +361,7 @@ def split(a: DecodeAttention) -> Partials:
         a.scaling * LOG2E, n, per_split, h, splits, sk.shape[2], wk.shape[2], q_rows.stride(0), q_rows.stride(1),
         *_strides(kp, 3), *_strides(ks, 2), *_strides(vp, 3), *_strides(vs, 2),
         *_strides(sk, 3), *_strides(sv, 3), *_strides(wk, 3), *_strides(wv, 3), valid.stride(0) if has_valid else 0,
-        G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, DH=dh, DH_PAD=_dh_pad(dh),
+        G=G, BLOCK_G=max(MIN_BLOCK_G, triton.next_power_of_2(G)), D=D, DH=dh, DH_PAD=_dh_pad(dh),
         **_segments(keys.table.layout, "K"), **_asm(keys.table, "K", ASM_DECODE and not interpret),
         **_segments(values.table.layout, "V"), **_asm(values.table, "V", ASM_DECODE and not interpret),
         HAS_VALID=has_valid, BLOCK_N=block_n, BLOCK_E=16 if interpret else BLOCK_E,

@@ -186,10 +186,11 @@ def nibble_pair_asm(levels: torch.Tensor) -> str:
     their low nibbles in ``$0`` (elements 0, 1), ``$1`` (2, 3) and of their high nibbles in ``$2``, ``$3``; ``""`` when
     not applicable.
 
-    Needs a symmetric 16-level codebook (``level[c] = −level[15 − c]`` in float16; ``level[8 + j] ≥ 0``). The eight
-    codes are gathered as nibbles of one ``prmt`` selector word, each code's magnitude index ``j`` (``c − 8``, or
-    ``7 − c`` below 8) is formed for all eight at once, two ``prmt`` per four codes pick the low and the high bytes of
-    ``level[8 + j]`` from 8-byte tables, and codes below 8 get the sign bit: 21 instructions per 8 levels.
+    Needs a symmetric 16-level codebook (``level[c] = −level[15 − c]`` in float16; ``level[8 + j] ≥ 0``). Each code's
+    magnitude index ``j`` (``c − 8``, or ``7 − c`` below 8) is formed for all eight nibbles at once, in place; ``prmt``
+    looks up the low and the high bytes of ``level[8 + j]`` in 8-byte tables, four nibbles per selector word (two
+    words); codes below 8 get the sign bit in their high bytes, and four byte permutes pair the bytes into float16
+    levels: 18 instructions per 8 levels.
     """
     half = levels[:16].to(torch.float16).cpu()
     if half.numel() != 16 or not torch.equal(half, -half.flip(0)) or bool((half[8:] < 0).any()):
@@ -198,21 +199,20 @@ def nibble_pair_asm(levels: torch.Tensor) -> str:
     word = lambda values: sum((v & 0xFF) << (8 * i) for i, v in enumerate(values))  # noqa: E731
     lo0, lo1 = word(bits[:4]), word(bits[4:])
     hi0, hi1 = word([b >> 8 for b in bits[:4]]), word([b >> 8 for b in bits[4:]])
-    pick = _lut(lambda a, b, c: (a & ~c) | (b & c))
     return (
-        "{ .reg .b32 w4, w8, x, y, s, n, m, j, k, a, b, c, d, t; "
-        # selector word s: nibbles c0 c1 c2 c3 (low nibbles of bytes 0..3), then d0 d1 d2 d3 (high nibbles)
-        f"shr.b32 w4, $4, 4; shr.b32 w8, $4, 8; lop3.b32 x, $4, w4, 0x00F000F0, {pick:#x}; "
-        f"lop3.b32 y, w4, w8, 0x00F000F0, {pick:#x}; prmt.b32 s, x, y, 0x6420; "
-        # n: 8 in the nibbles of codes below 8; j = (c ^ 7·[c < 8]) & 7
-        f"lop3.b32 n, s, 0x88888888, 0, {_lut(lambda a, b, c: ~a & b):#x}; shr.b32 m, n, 3; sub.u32 m, n, m; "
-        f"lop3.b32 j, s, m, 0x77777777, {_lut(lambda a, b, c: (a ^ b) & c):#x}; shr.b32 k, j, 16; "
+        "{ .reg .b32 n, m, j, k, u, a, b, c, d, x, y, z, t, s; "
+        # n: 8 in the nibbles of codes below 8 (negative levels); j = (c ^ 7·[c < 8]) & 7 for the nibbles of $4, in
+        # place: selector words j (bytes 0, 1: nibbles c0 d0 c1 d1) and k (bytes 2, 3)
+        f"lop3.b32 n, $4, 0x88888888, 0, {_lut(lambda a, b, c: ~a & b):#x}; shr.b32 m, n, 3; sub.u32 m, n, m; "
+        f"lop3.b32 j, $4, m, 0x77777777, {_lut(lambda a, b, c: (a ^ b) & c):#x}; shr.b32 k, j, 16; "
         f"mov.b32 a, {lo0:#x}; mov.b32 b, {lo1:#x}; mov.b32 c, {hi0:#x}; mov.b32 d, {hi1:#x}; "
-        "prmt.b32 x, a, b, j; prmt.b32 y, c, d, j; prmt.b32 w8, a, b, k; prmt.b32 t, c, d, k; "
-        # sign bits: byte i of $4 holds the low code's bit 3 at bit 3 and the high code's at bit 7
-        f"shl.b32 w4, $4, 4; lop3.b32 y, y, w4, 0x80808080, {_lut(lambda a, b, c: a | (~b & c)):#x}; "
-        f"lop3.b32 t, t, $4, 0x80808080, {_lut(lambda a, b, c: a | (~b & c)):#x}; "
-        "prmt.b32 $0, x, y, 0x5140; prmt.b32 $1, x, y, 0x7362; prmt.b32 $2, w8, t, 0x5140; prmt.b32 $3, w8, t, 0x7362; }"
+        "prmt.b32 x, a, b, j; prmt.b32 y, c, d, j; prmt.b32 z, a, b, k; prmt.b32 t, c, d, k; "
+        # sign bits: byte i of y / t is the high byte of nibble i of j / k; n << 4 holds low nibbles' flags at bit 7
+        # of their bytes, n the high nibbles'
+        "shl.b32 u, n, 4; prmt.b32 s, u, n, 0x5140; "
+        f"lop3.b32 y, y, s, 0x80808080, {_lut(lambda a, b, c: a | (b & c)):#x}; prmt.b32 s, u, n, 0x7362; "
+        f"lop3.b32 t, t, s, 0x80808080, {_lut(lambda a, b, c: a | (b & c)):#x}; "
+        "prmt.b32 $0, x, y, 0x6240; prmt.b32 $1, z, t, 0x6240; prmt.b32 $2, x, y, 0x7351; prmt.b32 $3, z, t, 0x7351; }"
     )
 
 
