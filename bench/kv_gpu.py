@@ -169,6 +169,18 @@ def _configure(ka: object, config: tuple[int, ...]) -> None:
     ka.MAX_REGISTERS = max_registers or None
 
 
+def random_step(batch: int, context: int, bits: float, window: int) -> scan.DecodeAttention:
+    """One decode step over ``context`` random fp16 tokens (keys double as values: speed does not depend on them)
+    held by a :class:`TurboQuantLayer` (``window`` exact), Llama-3-8B head shape."""
+    g = torch.Generator(device="cuda").manual_seed(context + batch)
+    k = torch.randn(batch, HKV, context, D, device="cuda", dtype=torch.float16, generator=g)
+    q = torch.randn(batch, HQ, 1, D, device="cuda", dtype=torch.float16, generator=g)
+    layer = TurboQuantLayer(HeadCodec(D, bits), HeadCodec(D, bits, seed=1000), window)
+    layer.update(k[:, :, :-1], k[:, :, :-1])
+    handle, _ = layer.update(k[:, :, -1:], k[:, :, -1:])
+    return decode_step(handle, q, None, D ** -0.5)
+
+
 def sweep(contexts: list[int], batches: list[int], bits: float, window: int, iters: int) -> list[dict]:
     """Graph-replayed tqvec latency for each split-kernel configuration (``kernels.attention`` constants)."""
     from tqvec.kernels import attention as ka  # noqa: PLC0415
@@ -176,14 +188,7 @@ def sweep(contexts: list[int], batches: list[int], bits: float, window: int, ite
     rows = []
     for batch in batches:
         for context in contexts:
-            g = torch.Generator(device="cuda").manual_seed(context + batch)
-            k = torch.randn(batch, HKV, context, D, device="cuda", dtype=torch.float16, generator=g)
-            q = torch.randn(batch, HQ, 1, D, device="cuda", dtype=torch.float16, generator=g)
-            layer = TurboQuantLayer(HeadCodec(D, bits), HeadCodec(D, bits, seed=1000), window)
-            layer.update(k[:, :, :-1], k[:, :, :-1])
-            handle, _ = layer.update(k[:, :, -1:], k[:, :, -1:])
-            del k
-            step = decode_step(handle, q, None, D ** -0.5)
+            step = random_step(batch, context, bits, window)
             grid = itertools.product((64, 128), (4,), (2, 3), (3, 4, 6), (0, 128))
             for config in grid:
                 _configure(ka, config)
