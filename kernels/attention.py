@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import torch
 import triton
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from tqvec.scan import CodeTable, DecodeAttention
 
 LOG2E = 1.4426950408889634
+T = TypeVar("T")
 
 
 @triton.jit
@@ -90,17 +91,18 @@ def _online_softmax(s, m, l):
 
 
 @triton.jit
-def _exact_run(q, qmu, m, l, acc, k_ptr, v_ptr, valid_ptr, length, pos0, stride_k_t, stride_v_t,
+def _exact_run(q, qmu, m, l, acc, k_ptr, v_ptr, valid_ptr, length, pos0,
                HAS_VALID: tl.constexpr, DH: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Online softmax of the queries ``q`` ``(BLOCK_G, DH_PAD)`` over ``length`` exact tokens (cache positions
-    ``pos0 …``): updated ``(m, l, acc)``. Scores ``q·k − qmu``; products on tensor cores (TF32 on CUDA)."""
+    """Online softmax of the queries ``q`` ``(BLOCK_G, DH_PAD)`` over ``length`` exact tokens (row-major ``(length, DH)``
+    keys and values; cache positions ``pos0 …``): updated ``(m, l, acc)``. Scores ``q·k − qmu``; products on tensor
+    cores (TF32 on CUDA)."""
     c = tl.arange(0, DH_PAD)
     for e0 in range(0, length, BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
         e_mask = e < length
         mask = e_mask[:, None] & (c < DH)[None, :]
-        k = tl.load(k_ptr + e[:, None] * stride_k_t + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + e[:, None] * stride_v_t + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + e[:, None] * DH + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + e[:, None] * DH + c[None, :], mask=mask, other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k)) - qmu[:, None]
         ok = e_mask
         if HAS_VALID:
@@ -110,18 +112,16 @@ def _exact_run(q, qmu, m, l, acc, k_ptr, v_ptr, valid_ptr, length, pos0, stride_
     return m, l, acc
 
 
-@triton.jit(do_not_specialize=["n", "tokens_per_split", "n_splits", "n_sinks", "n_window"])  # these change per step
+# scalars that change every step or as the cache grows: not specialized (no recompilation)
+@triton.jit(do_not_specialize=["n", "tokens_per_split", "n_splits", "n_sinks", "n_window", "kp_cap", "ks_cap", "vp_cap",
+                               "vs_cap"])
 def split_kernel(
     q_ptr, rot_ptr, back_ptr, k_mean_ptr, v_mean_ptr,
     kp_ptr, ks_ptr, vp_ptr, vs_ptr, k_levels_ptr, v_levels_ptr,
     sk_ptr, sv_ptr, wk_ptr, wv_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr,
-    factor, n, tokens_per_split, n_heads, n_splits, n_sinks, n_window,
-    stride_q_bh, stride_q_g,
-    stride_kp_b, stride_kp_h, stride_kp_t, stride_ks_b, stride_ks_h,
-    stride_vp_b, stride_vp_h, stride_vp_t, stride_vs_b, stride_vs_h,
-    stride_sk_b, stride_sk_h, stride_sk_t, stride_sv_b, stride_sv_h, stride_sv_t,
-    stride_wk_b, stride_wk_h, stride_wk_t, stride_wv_b, stride_wv_h, stride_wv_t, stride_valid_b,
+    factor, n, tokens_per_split, n_heads, n_splits, n_sinks, n_window, kp_cap, ks_cap, vp_cap, vs_cap, stride_valid_b,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, DH: tl.constexpr, DH_PAD: tl.constexpr,
+    K_ROW_BYTES: tl.constexpr, V_ROW_BYTES: tl.constexpr,
     K0_CH: tl.constexpr, K0_DIM: tl.constexpr, K0_BITS: tl.constexpr, K0_NBYTES: tl.constexpr, K0_BYTE: tl.constexpr,
     K0_ROW: tl.constexpr, K0_PAD: tl.constexpr,
     K1_CH: tl.constexpr, K1_DIM: tl.constexpr, K1_BITS: tl.constexpr, K1_NBYTES: tl.constexpr, K1_BYTE: tl.constexpr,
@@ -134,14 +134,17 @@ def split_kernel(
 ):
     """Program ``(bh, split)``: the partial ``m``, ``l`` ``(G,)`` and accumulator ``(G, DH)`` of coded tokens
     ``[split·tokens_per_split, …)`` of head ``bh`` (``split < n_splits``; ``-inf`` / 0 / 0 when empty) or of its
-    exact tokens (``split == n_splits``). ``rot`` ``(DH, D)`` and ``back`` ``(D, DH)`` float16, channels in kernel order."""
+    exact tokens (``split == n_splits``). ``rot`` ``(DH, D)`` and ``back`` ``(D, DH)`` float16, channels in kernel order.
+    Row-major operands: queries ``(b·h, G, DH)``; key codes ``(b·h, kp_cap, K_ROW_BYTES)`` uint8 and scales ``(b·h,
+    ks_cap)`` (values likewise); sinks ``(b·h, n_sinks, DH)``, window ``(b·h, n_window, DH)``; ``valid`` rows
+    ``stride_valid_b`` apart."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // n_heads
-    h = bh % n_heads
     g = tl.arange(0, BLOCK_G)
     c = tl.arange(0, DH_PAD)
-    q = _matrix(q_ptr + bh.to(tl.int64) * stride_q_bh, 0, 0, G, DH, stride_q_g, BLOCK_G, DH_PAD).to(tl.float32) * factor
+    bh64 = bh.to(tl.int64)
+    q = _matrix(q_ptr + bh64 * G * DH, 0, 0, G, DH, DH, BLOCK_G, DH_PAD).to(tl.float32) * factor
     m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_G,), tl.float32)
     valid_row = valid_ptr + b.to(tl.int64) * stride_valid_b
@@ -151,10 +154,10 @@ def split_kernel(
         q1 = q0
         if K1_DIM > 0:
             q1 = tl.dot(q16, _matrix(rot_ptr, 0, K1_CH, DH, K1_DIM, D, DH_PAD, K1_PAD)).to(tl.float16)
-        kp_base = kp_ptr + b.to(tl.int64) * stride_kp_b + h.to(tl.int64) * stride_kp_h
-        vp_base = vp_ptr + b.to(tl.int64) * stride_vp_b + h.to(tl.int64) * stride_vp_h
-        ks_base = ks_ptr + b.to(tl.int64) * stride_ks_b + h.to(tl.int64) * stride_ks_h
-        vs_base = vs_ptr + b.to(tl.int64) * stride_vs_b + h.to(tl.int64) * stride_vs_h
+        kp_base = kp_ptr + bh64 * kp_cap * K_ROW_BYTES
+        vp_base = vp_ptr + bh64 * vp_cap * V_ROW_BYTES
+        ks_base = ks_ptr + bh64 * ks_cap
+        vs_base = vs_ptr + bh64 * vs_cap
         acc0 = tl.zeros((BLOCK_G, V0_PAD), tl.float32)
         acc1 = tl.zeros((BLOCK_G, V1_PAD), tl.float32)
         start = split * tokens_per_split
@@ -162,7 +165,7 @@ def split_kernel(
         for t0 in range(start, stop, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
             t_mask = t < stop
-            k0, k1 = _values(kp_base + t.to(tl.int64) * stride_kp_t, t_mask, k_levels_ptr, K0_BYTE, K0_DIM, K0_BITS,
+            k0, k1 = _values(kp_base + t.to(tl.int64) * K_ROW_BYTES, t_mask, k_levels_ptr, K0_BYTE, K0_DIM, K0_BITS,
                              K0_NBYTES, K0_ROW, K0_PAD, K1_BYTE, K1_DIM, K1_BITS, K1_NBYTES, K1_ROW, K1_PAD, K_NIBBLES,
                              K_ASM, BLOCK_N)
             s = tl.dot(q0, tl.trans(k0))
@@ -174,7 +177,7 @@ def split_kernel(
                 ok = ok & (tl.load(valid_row + n_sinks + t, mask=t_mask, other=0) != 0)
             p, alpha, m, l = _online_softmax(tl.where(ok[None, :], s, float("-inf")), m, l)
             pv = (p * tl.load(vs_base + t, mask=t_mask, other=0.0).to(tl.float32)[None, :]).to(tl.float16)
-            v0, v1 = _values(vp_base + t.to(tl.int64) * stride_vp_t, t_mask, v_levels_ptr, V0_BYTE, V0_DIM, V0_BITS,
+            v0, v1 = _values(vp_base + t.to(tl.int64) * V_ROW_BYTES, t_mask, v_levels_ptr, V0_BYTE, V0_DIM, V0_BITS,
                              V0_NBYTES, V0_ROW, V0_PAD, V1_BYTE, V1_DIM, V1_BITS, V1_NBYTES, V1_ROW, V1_PAD, V_NIBBLES,
                              V_ASM, BLOCK_N)
             acc0 = tl.dot(pv, v0, acc0 * alpha[:, None])
@@ -183,19 +186,15 @@ def split_kernel(
         acc = tl.dot(acc0, _matrix(back_ptr, V0_CH, 0, V0_DIM, DH, DH, V0_PAD, DH_PAD).to(tl.float32))
         if V1_DIM > 0:
             acc = tl.dot(acc1, _matrix(back_ptr, V1_CH, 0, V1_DIM, DH, DH, V1_PAD, DH_PAD).to(tl.float32), acc)
-        acc += l[:, None] * tl.load(v_mean_ptr + bh.to(tl.int64) * DH + c, mask=c < DH, other=0.0)[None, :]
+        acc += l[:, None] * tl.load(v_mean_ptr + bh64 * DH + c, mask=c < DH, other=0.0)[None, :]
     else:
-        qmu = tl.sum(q * tl.load(k_mean_ptr + bh.to(tl.int64) * DH + c, mask=c < DH, other=0.0)[None, :], axis=1)
+        qmu = tl.sum(q * tl.load(k_mean_ptr + bh64 * DH + c, mask=c < DH, other=0.0)[None, :], axis=1)
         acc = tl.zeros((BLOCK_G, DH_PAD), tl.float32)
-        m, l, acc = _exact_run(
-            q, qmu, m, l, acc, sk_ptr + b.to(tl.int64) * stride_sk_b + h.to(tl.int64) * stride_sk_h,
-            sv_ptr + b.to(tl.int64) * stride_sv_b + h.to(tl.int64) * stride_sv_h, valid_row, n_sinks, 0,
-            stride_sk_t, stride_sv_t, HAS_VALID, DH, DH_PAD, BLOCK_E)
-        m, l, acc = _exact_run(
-            q, qmu, m, l, acc, wk_ptr + b.to(tl.int64) * stride_wk_b + h.to(tl.int64) * stride_wk_h,
-            wv_ptr + b.to(tl.int64) * stride_wv_b + h.to(tl.int64) * stride_wv_h, valid_row, n_window, n_sinks + n,
-            stride_wk_t, stride_wv_t, HAS_VALID, DH, DH_PAD, BLOCK_E)
-    slot = (bh.to(tl.int64) * (n_splits + 1) + split) * G
+        m, l, acc = _exact_run(q, qmu, m, l, acc, sk_ptr + bh64 * n_sinks * DH, sv_ptr + bh64 * n_sinks * DH,
+                               valid_row, n_sinks, 0, HAS_VALID, DH, DH_PAD, BLOCK_E)
+        m, l, acc = _exact_run(q, qmu, m, l, acc, wk_ptr + bh64 * n_window * DH, wv_ptr + bh64 * n_window * DH,
+                               valid_row, n_window, n_sinks + n, HAS_VALID, DH, DH_PAD, BLOCK_E)
+    slot = (bh64 * (n_splits + 1) + split) * G
     tl.store(m_ptr + slot + g, m, mask=g < G)
     tl.store(l_ptr + slot + g, l, mask=g < G)
     tl.store(acc_ptr + (slot + g[:, None]) * DH + c[None, :], acc, mask=(g < G)[:, None] & (c < DH)[None, :])
@@ -255,19 +254,24 @@ def channel_order(layout: Layout) -> torch.Tensor:
     return torch.arange(d)
 
 
-_ORDERED: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+_MEMO: OrderedDict[tuple, tuple[tuple, object]] = OrderedDict()
+
+
+def _memo(key: tuple, anchors: tuple, make: Callable[[], T]) -> T:
+    """``make()``, cached under ``key`` (which holds the ids of ``anchors``) while those objects are alive and the same
+    (least recently used out past 64 entries)."""
+    hit = _MEMO.get(key)
+    if hit is None or any(a is not b for a, b in zip(hit[0], anchors)):
+        hit = _MEMO[key] = (anchors, make())
+        while len(_MEMO) > 64:
+            _MEMO.popitem(last=False)
+    return hit[1]
 
 
 def _in_kernel_order(matrix: torch.Tensor, layout: Layout, dim: int) -> torch.Tensor:
     """``matrix`` as float16 with its rotated-channel axis ``dim`` in :func:`channel_order` (cached per tensor)."""
-    key = (id(matrix), matrix.device, layout, dim)
-    hit = _ORDERED.get(key)
-    if hit is None or hit[0] is not matrix:
-        order = channel_order(layout).to(matrix.device)
-        hit = _ORDERED[key] = (matrix, matrix.index_select(dim, order).half().contiguous())
-        while len(_ORDERED) > 64:
-            _ORDERED.popitem(last=False)
-    return hit[1]
+    return _memo(("order", id(matrix), matrix.device, layout, dim), (matrix,),
+                 lambda: matrix.index_select(dim, channel_order(layout).to(matrix.device)).half().contiguous())
 
 
 def _asm(table: CodeTable, prefix: str, use: bool) -> dict[str, str]:
@@ -292,7 +296,7 @@ def _segments(layout: Layout, prefix: str) -> dict[str, int]:
         out = segment_args(layout, prefix)
     out[f"{prefix}_NIBBLES"] = _nibble_split(layout)
     for s in range(2):  # channels per tl.dot: at least MIN_BLOCK_D (16 miscompiled on the H200)
-        out[f"{prefix}{s}_PAD"] = max(MIN_BLOCK_D, triton.next_power_of_2(max(out[f"{prefix}{s}_DIM"], 1)))
+        out[f"{prefix}{s}_PAD"] = max(MIN_BLOCK_D, _pow2(max(out[f"{prefix}{s}_DIM"], 1)))
     return out
 
 
@@ -302,16 +306,33 @@ def _n_splits(device: torch.device, heads: int, n: int, interpret: bool) -> int:
     if n == 0:
         return 0
     if interpret:
-        return max(1, min(3, triton.cdiv(n, 16)))
+        return max(1, min(3, _cdiv(n, 16)))
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return max(1, min(PROGRAMS_PER_SM * _SM_COUNT[index] // heads - 1, triton.cdiv(n, BLOCK_N), MAX_SPLITS))
+    return max(1, min(PROGRAMS_PER_SM * _SM_COUNT[index] // heads - 1, _cdiv(n, BLOCK_N), MAX_SPLITS))
 
 
-def _strides(t: torch.Tensor, dims: int) -> tuple[int, ...]:
-    """Element strides of ``t``'s first ``dims`` axes (kernel arguments)."""
-    return tuple(t.stride(i) for i in range(dims))
+def _split_constexprs(keys: CodeTable, values: CodeTable, G: int, dh: int, has_valid: bool,
+                      interpret: bool) -> dict[str, object]:
+    """:func:`split_kernel`'s compile-time arguments and launch options (cached per tables, shapes and the module's
+    tuning constants)."""
+    def make() -> dict[str, object]:
+        return dict(
+            G=G, BLOCK_G=max(MIN_BLOCK_G, _pow2(G)), D=keys.layout.dim, DH=dh, DH_PAD=_dh_pad(dh),
+            K_ROW_BYTES=keys.layout.row_bytes, V_ROW_BYTES=values.layout.row_bytes,
+            **_segments(keys.layout, "K"), **_asm(keys, "K", ASM_DECODE and not interpret),
+            **_segments(values.layout, "V"), **_asm(values, "V", ASM_DECODE and not interpret),
+            HAS_VALID=has_valid, BLOCK_N=_block_n(interpret), BLOCK_E=16 if interpret else BLOCK_E,
+            num_warps=NUM_WARPS, num_stages=1 if interpret else NUM_STAGES,
+            **({} if interpret or MAX_REGISTERS is None else {"maxnreg": MAX_REGISTERS}))
+    tuning = (BLOCK_N, NUM_WARPS, NUM_STAGES, MAX_REGISTERS, MIN_BLOCK_G, ASM_DECODE, BLOCK_E)
+    return _memo(("split", id(keys), id(values), G, dh, has_valid, interpret, tuning), (keys, values), make)
+
+
+def _block_n(interpret: bool) -> int:
+    """Coded tokens per tile of :func:`split_kernel` (small under the interpreter)."""
+    return 16 if interpret else BLOCK_N
 
 
 @dataclass
@@ -336,37 +357,31 @@ def split(a: DecodeAttention) -> Partials:
     if values.table.layout.dim != D:
         raise ValueError("keys and values must share the rotated dimension")
     dev = q.device
-    block_n = 16 if interpret else BLOCK_N
-    q_rows = q.reshape(b * h, G, dh)
-    if q_rows.stride(2) != 1:
-        q_rows = q_rows.contiguous()
+    block_n = _block_n(interpret)
+    q_rows = q.reshape(b * h, G, dh).contiguous()
     n = a.n_codes
     splits = _n_splits(dev, b * h, n, interpret)
-    per_split = triton.cdiv(triton.cdiv(max(n, 1), max(splits, 1)), block_n) * block_n
-    splits = triton.cdiv(n, per_split)
-    m = torch.empty(b * h, splits + 1, G, dtype=torch.float32, device=dev)
-    l = torch.empty_like(m)
-    acc = torch.empty(b * h, splits + 1, G, dh, dtype=torch.float32, device=dev)
+    per_split = _cdiv(_cdiv(max(n, 1), max(splits, 1)), block_n) * block_n
+    splits = _cdiv(n, per_split)
+    rows = b * h * (splits + 1) * G  # one allocation: acc, then m and l
+    work = torch.empty(rows * (dh + 2), dtype=torch.float32, device=dev)
+    acc = work[:rows * dh].view(b * h, splits + 1, G, dh)
+    m, l = work[rows * dh:].view(2, b * h, splits + 1, G).unbind(0)
     valid = a.valid
     has_valid = valid is not None
     if has_valid and valid.dtype == torch.bool:
         valid = valid.view(torch.uint8)
-    kp, ks, vp, vs = keys.packed, keys.scale, values.packed, values.scale
-    sk, sv, wk, wv = a.sink_keys, a.sink_values, a.window_keys, a.window_values
+    if has_valid and valid.stride(1) != 1:
+        valid = valid.contiguous()
+    kp, ks, vp, vs = (t.contiguous() for t in (keys.packed, keys.scale, values.packed, values.scale))
+    sk, sv, wk, wv = (t.contiguous() for t in (a.sink_keys, a.sink_values, a.window_keys, a.window_values))
     split_kernel[(b * h, splits + 1)](
         q_rows, _in_kernel_order(a.key_rotation, keys.table.layout, 1),
         _in_kernel_order(a.value_back, values.table.layout, 0), a.key_mean.float().contiguous(),
         a.value_mean.float().contiguous(), kp, ks, vp, vs, keys.table.levels, values.table.levels,
         sk, sv, wk, wv, valid if has_valid else m, m, l, acc,
-        a.scaling * LOG2E, n, per_split, h, splits, sk.shape[2], wk.shape[2], q_rows.stride(0), q_rows.stride(1),
-        *_strides(kp, 3), *_strides(ks, 2), *_strides(vp, 3), *_strides(vs, 2),
-        *_strides(sk, 3), *_strides(sv, 3), *_strides(wk, 3), *_strides(wv, 3), valid.stride(0) if has_valid else 0,
-        G=G, BLOCK_G=max(MIN_BLOCK_G, triton.next_power_of_2(G)), D=D, DH=dh, DH_PAD=_dh_pad(dh),
-        **_segments(keys.table.layout, "K"), **_asm(keys.table, "K", ASM_DECODE and not interpret),
-        **_segments(values.table.layout, "V"), **_asm(values.table, "V", ASM_DECODE and not interpret),
-        HAS_VALID=has_valid, BLOCK_N=block_n, BLOCK_E=16 if interpret else BLOCK_E,
-        num_warps=NUM_WARPS, num_stages=1 if interpret else NUM_STAGES,
-        **({} if interpret or MAX_REGISTERS is None else {"maxnreg": MAX_REGISTERS}),
+        a.scaling * LOG2E, n, per_split, h, splits, sk.shape[2], wk.shape[2], kp.shape[2], ks.shape[2], vp.shape[2], vs.shape[2],
+        valid.stride(0) if has_valid else 0, **_split_constexprs(keys.table, values.table, G, dh, has_valid, interpret),
     )
     return Partials(m, l, acc, (b, h, G, dh), q.dtype)
 
@@ -376,17 +391,28 @@ def combine(p: Partials) -> torch.Tensor:
     b, h, G, dh = p.shape
     parts = p.m.shape[1]
     out = torch.empty(p.shape, dtype=p.dtype, device=p.m.device)
-    block_c = min(COMBINE_CHANNELS, triton.next_power_of_2(dh))
-    combine_kernel[(b * h, G, triton.cdiv(dh, block_c))](
-        p.m, p.l, p.acc, out, parts, G=G, DH=dh, BLOCK_S=max(16, triton.next_power_of_2(parts)), BLOCK_C=block_c,
+    block_c = min(COMBINE_CHANNELS, _pow2(dh))
+    combine_kernel[(b * h, G, _cdiv(dh, block_c))](
+        p.m, p.l, p.acc, out, parts, G=G, DH=dh, BLOCK_S=max(16, _pow2(parts)), BLOCK_C=block_c,
         num_warps=4,
     )
     return out
 
 
+def _cdiv(x: int, y: int) -> int:
+    """``⌈x / y⌉`` on the host (``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions, slow to call
+    from Python on every decode step)."""
+    return -(-x // y)
+
+
+def _pow2(x: int) -> int:
+    """The smallest power of two ``≥ x`` (``x ≥ 1``), on the host."""
+    return 1 << (x - 1).bit_length()
+
+
 def _dh_pad(dh: int) -> int:
     """Head channels per ``tl.dot`` operand: a power of two, at least ``MIN_BLOCK_D``."""
-    return max(MIN_BLOCK_D, triton.next_power_of_2(dh))
+    return max(MIN_BLOCK_D, _pow2(dh))
 
 
 def decode_attention(a: DecodeAttention) -> torch.Tensor:
