@@ -169,6 +169,11 @@ def _configure(ka: object, config: tuple[int, ...]) -> None:
     ka.MAX_REGISTERS = max_registers or None
 
 
+def _configuration(ka: object) -> tuple[int, ...]:
+    """The split-kernel constants of ``kernels.attention`` now, as :func:`_configure` takes them."""
+    return ka.BLOCK_N, ka.NUM_WARPS, ka.NUM_STAGES, ka.PROGRAMS_PER_SM, ka.MAX_REGISTERS or 0
+
+
 def random_step(batch: int, context: int, bits: float, window: int) -> scan.DecodeAttention:
     """One decode step over ``context`` random fp16 tokens (keys double as values: speed does not depend on them)
     held by a :class:`TurboQuantLayer` (``window`` exact), Llama-3-8B head shape."""

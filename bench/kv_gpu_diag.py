@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from tqvec import scan
 
-from .kv_gpu import CONFIG_NAMES, HKV, HQ, RESULTS, D, _configure, _time_ms, random_step
+from .kv_gpu import CONFIG_NAMES, HKV, HQ, RESULTS, D, _configuration, _configure, _time_ms, random_step
 
 FIXED_CONTEXTS = (256, 1024, 4096, 32768, 131072)
 #: (block_n, warps, stages, programs_per_sm, max_registers); the first is the default of ``kernels.attention``
@@ -69,7 +69,7 @@ def small_programs(iters: int) -> list[dict]:
     """Graph-replayed µs of the step for each configuration of :data:`SMALL_PROGRAMS` at 32k and 128k tokens."""
     from tqvec.kernels import attention as ka  # noqa: PLC0415
 
-    default = tuple(getattr(ka, n) for n in ("BLOCK_N", "NUM_WARPS", "NUM_STAGES", "PROGRAMS_PER_SM", "MAX_REGISTERS"))
+    default = _configuration(ka)
     rows = []
     for context in (32768, 131072):
         step = random_step(1, context, 4, 128)
@@ -78,7 +78,7 @@ def small_programs(iters: int) -> list[dict]:
             rows.append({"context": context, **dict(zip(CONFIG_NAMES, config)),
                          "step_us": 1000 * _time_ms(lambda: scan.attend(step), iters, graph=True)})  # noqa: B023
             print(json.dumps(rows[-1]), flush=True)
-    _configure(ka, tuple(0 if v is None else v for v in default))
+    _configure(ka, default)
     return rows
 
 

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from tqvec.packing import Layout
 
-from .ops import MIN_BLOCK_D, interpreting, segment_args
+from .ops import MIN_BLOCK_D, cdiv, interpreting, pow2, segment_args
 from .unpack import nibble_pair_asm, nibble_pairs, segment_values
 
 if TYPE_CHECKING:
@@ -275,13 +275,8 @@ def _in_kernel_order(matrix: torch.Tensor, layout: Layout, dim: int) -> torch.Te
 
 
 def _asm(table: CodeTable, prefix: str, use: bool) -> dict[str, str]:
-    """``{prefix}_ASM``: :func:`~.unpack.nibble_pair_asm` for a nibble-split layout (cached on ``table``), else ``""``."""
-    if not (use and _nibble_split(table.layout)):
-        return {f"{prefix}_ASM": ""}
-    key = "tqvec.kernels.attention.asm"
-    if key not in table._luts:
-        table._luts[key] = nibble_pair_asm(table.levels[0])
-    return {f"{prefix}_ASM": table._luts[key]}
+    """``{prefix}_ASM``: :func:`~.unpack.nibble_pair_asm` for a nibble-split layout, else ``""``."""
+    return {f"{prefix}_ASM": nibble_pair_asm(table.levels[0]) if use and _nibble_split(table.layout) else ""}
 
 
 @functools.lru_cache(maxsize=64)
@@ -296,7 +291,7 @@ def _segments(layout: Layout, prefix: str) -> dict[str, int]:
         out = segment_args(layout, prefix)
     out[f"{prefix}_NIBBLES"] = _nibble_split(layout)
     for s in range(2):  # channels per tl.dot: at least MIN_BLOCK_D (16 miscompiled on the H200)
-        out[f"{prefix}{s}_PAD"] = max(MIN_BLOCK_D, _pow2(max(out[f"{prefix}{s}_DIM"], 1)))
+        out[f"{prefix}{s}_PAD"] = max(MIN_BLOCK_D, pow2(max(out[f"{prefix}{s}_DIM"], 1)))
     return out
 
 
@@ -306,11 +301,11 @@ def _n_splits(device: torch.device, heads: int, n: int, interpret: bool) -> int:
     if n == 0:
         return 0
     if interpret:
-        return max(1, min(3, _cdiv(n, 16)))
+        return max(1, min(3, cdiv(n, 16)))
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return max(1, min(PROGRAMS_PER_SM * _SM_COUNT[index] // heads - 1, _cdiv(n, BLOCK_N), MAX_SPLITS))
+    return max(1, min(PROGRAMS_PER_SM * _SM_COUNT[index] // heads - 1, cdiv(n, BLOCK_N), MAX_SPLITS))
 
 
 def _split_constexprs(keys: CodeTable, values: CodeTable, G: int, dh: int, has_valid: bool,
@@ -319,7 +314,7 @@ def _split_constexprs(keys: CodeTable, values: CodeTable, G: int, dh: int, has_v
     tuning constants)."""
     def make() -> dict[str, object]:
         return dict(
-            G=G, BLOCK_G=max(MIN_BLOCK_G, _pow2(G)), D=keys.layout.dim, DH=dh, DH_PAD=_dh_pad(dh),
+            G=G, BLOCK_G=max(MIN_BLOCK_G, pow2(G)), D=keys.layout.dim, DH=dh, DH_PAD=_dh_pad(dh),
             K_ROW_BYTES=keys.layout.row_bytes, V_ROW_BYTES=values.layout.row_bytes,
             **_segments(keys.layout, "K"), **_asm(keys, "K", ASM_DECODE and not interpret),
             **_segments(values.layout, "V"), **_asm(values, "V", ASM_DECODE and not interpret),
@@ -361,8 +356,8 @@ def split(a: DecodeAttention) -> Partials:
     q_rows = q.reshape(b * h, G, dh).contiguous()
     n = a.n_codes
     splits = _n_splits(dev, b * h, n, interpret)
-    per_split = _cdiv(_cdiv(max(n, 1), max(splits, 1)), block_n) * block_n
-    splits = _cdiv(n, per_split)
+    per_split = cdiv(cdiv(max(n, 1), max(splits, 1)), block_n) * block_n
+    splits = cdiv(n, per_split)
     rows = b * h * (splits + 1) * G  # one allocation: acc, then m and l
     work = torch.empty(rows * (dh + 2), dtype=torch.float32, device=dev)
     acc = work[:rows * dh].view(b * h, splits + 1, G, dh)
@@ -391,28 +386,17 @@ def combine(p: Partials) -> torch.Tensor:
     b, h, G, dh = p.shape
     parts = p.m.shape[1]
     out = torch.empty(p.shape, dtype=p.dtype, device=p.m.device)
-    block_c = min(COMBINE_CHANNELS, _pow2(dh))
-    combine_kernel[(b * h, G, _cdiv(dh, block_c))](
-        p.m, p.l, p.acc, out, parts, G=G, DH=dh, BLOCK_S=max(16, _pow2(parts)), BLOCK_C=block_c,
+    block_c = min(COMBINE_CHANNELS, pow2(dh))
+    combine_kernel[(b * h, G, cdiv(dh, block_c))](
+        p.m, p.l, p.acc, out, parts, G=G, DH=dh, BLOCK_S=max(16, pow2(parts)), BLOCK_C=block_c,
         num_warps=4,
     )
     return out
 
 
-def _cdiv(x: int, y: int) -> int:
-    """``⌈x / y⌉`` on the host (``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions, slow to call
-    from Python on every decode step)."""
-    return -(-x // y)
-
-
-def _pow2(x: int) -> int:
-    """The smallest power of two ``≥ x`` (``x ≥ 1``), on the host."""
-    return 1 << (x - 1).bit_length()
-
-
 def _dh_pad(dh: int) -> int:
     """Head channels per ``tl.dot`` operand: a power of two, at least ``MIN_BLOCK_D``."""
-    return max(MIN_BLOCK_D, _pow2(dh))
+    return max(MIN_BLOCK_D, pow2(dh))
 
 
 def decode_attention(a: DecodeAttention) -> torch.Tensor:

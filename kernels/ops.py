@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
-import triton
 import triton.language as tl
 
 from tqvec.packing import Layout
@@ -125,8 +124,19 @@ def segment_args(layout: Layout, prefix: str = "S") -> dict[str, int]:
     return {f"{prefix}{s}_{name}": value for s, seg in enumerate(segments) for name, value in zip(names, seg)}
 
 
+def cdiv(x: int, y: int) -> int:
+    """``⌈x / y⌉`` on the host (``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions: microseconds
+    per call from Python, on every launch)."""
+    return -(-x // y)
+
+
+def pow2(x: int) -> int:
+    """The smallest power of two ``≥ x`` (``x ≥ 1``), on the host."""
+    return 1 << (x - 1).bit_length()
+
+
 def _pow2_clamp(x: int, lo: int, hi: int) -> int:
-    return max(lo, min(hi, triton.next_power_of_2(max(1, x))))
+    return max(lo, min(hi, pow2(max(1, x))))
 
 
 def tile_config(nq: int, layout: Layout, exact: bool = False, n: int = 0) -> TileConfig:
@@ -208,8 +218,8 @@ def _launch_tiles(
 ) -> object:
     """Run :func:`tile_kernel` over all (query tile, row tile) pairs, writing ``out``; returns the compiled kernel."""
     nq, n = queries.shape[0], len(block)
-    n_q_tiles = triton.cdiv(nq, cfg.block_q)
-    grid = (n_q_tiles * triton.cdiv(n, cfg.block_n * cfg.tiles),)
+    n_q_tiles = cdiv(nq, cfg.block_q)
+    grid = (n_q_tiles * cdiv(n, cfg.block_n * cfg.tiles),)
     p = queries if projected is None else projected
     segments = [(d, b) for d, b in table.layout.segments if d and b]
     resident = len(segments) == 1 and segments[0][0] <= cfg.block_d and block.signs is None
@@ -255,7 +265,7 @@ def _half_queries(q: torch.Tensor, p: torch.Tensor | None) -> tuple[torch.Tensor
     if nq:
         half_queries_kernel[(nq,)](q, q if p is None else p, qh, qh if ph is None else ph, qfac, q.stride(0),
                                    0 if p is None else p.stride(0), D=d, P_DIM=p_dim,
-                                   BLOCK=triton.next_power_of_2(max(d, p_dim)), num_warps=4)
+                                   BLOCK=pow2(max(d, p_dim)), num_warps=4)
     return qh, ph, qfac
 
 
@@ -298,7 +308,7 @@ def _launch_matvec(
 ) -> None:
     """:func:`~.scan_kernel.matvec_kernel`: exact group maxima ``out`` ``(nq, cdiv(n, cfg.block_n))``."""
     pp = q if p is None else p
-    matvec_kernel[(q.shape[0], triton.cdiv(out.shape[1], cfg.tiles))](
+    matvec_kernel[(q.shape[0], cdiv(out.shape[1], cfg.tiles))](
         q, pp, **_operands(block, p), levels_ptr=table.levels, out_ptr=out, n=len(block), stride_q=q.stride(0),
         stride_p=pp.stride(0), **_row_strides(block), stride_out=out.stride(0), **segment_args(table.layout),
         **_flags(block, p), BLOCK_N=cfg.block_n, BLOCK_B=_pow2_clamp(max(table.layout.segment_bytes), 1, cfg.block_d),
@@ -314,7 +324,7 @@ def group_maxima(
     With ``cfg.matvec`` exact; else from float16 queries scaled by ``qfac = 1 / max|q|`` (so each row
     is the query's maxima times its ``qfac``, which leaves the ranking of its groups unchanged).
     """
-    out = torch.empty(q.shape[0], triton.cdiv(len(block), cfg.block_n), dtype=torch.float32, device=q.device)
+    out = torch.empty(q.shape[0], cdiv(len(block), cfg.block_n), dtype=torch.float32, device=q.device)
     if cfg.matvec:
         _launch_matvec(q, p, block, table, out, cfg)
     else:
@@ -381,7 +391,7 @@ def _search(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The two-stage search on float32 contiguous queries (``nq, n, k > 0``)."""
     nq, n = q.shape[0], len(block)
-    n_groups = triton.cdiv(n, cfg.block_n)
+    n_groups = cdiv(n, cfg.block_n)
     kg = min(n_groups, k + GROUP_MARGIN)
     chunk = max(1, MAX_GROUP_SCORES // n_groups)
     parts = []
@@ -505,7 +515,7 @@ def encode(rotated: torch.Tensor, table: CodeTable, boundaries: torch.Tensor) ->
     if n == 0:
         return packed, norms, alignment
     block_n = 16 if interpreting() else 64
-    encode_kernel[(triton.cdiv(n, block_n),)](
+    encode_kernel[(cdiv(n, block_n),)](
         x, boundaries, table.levels, _dummy(packed, norms), norms, alignment, n, x.stride(0),
         max(layout.row_bytes, 1), D=layout.dim, **segment_args(layout), BLOCK_N=block_n,
         BLOCK_D=_pow2_clamp(layout.dim, 16, 32 if interpreting() else 128),
