@@ -2,8 +2,8 @@
 
 * fixed cost: the split kernel, the combine kernel and the whole step, each replayed from its own CUDA graph
   (L2 flushed), from 256 to 131,072 tokens, with and without the 128-token exact window;
-* small programs: the whole step at 32k and 128k tokens with 1- and 2-warp split programs (short tiles, more
-  programs per SM) beside the default configuration;
+* configurations: the whole step at 32k and 128k tokens with 1- and 2-warp split programs (short tiles, more
+  programs per SM), with register caps that fit more warps per SM, and with 8-warp programs, beside the default;
 * host cost: Python and launch time per eager call (no synchronization inside the timed calls: what eager
   decoding pays per layer) of the split kernel, the combine kernel, the whole step and fp16 SDPA, at 8k tokens.
 
@@ -29,8 +29,9 @@ from .kv_gpu import CONFIG_NAMES, HKV, HQ, RESULTS, D, _configuration, _configur
 
 FIXED_CONTEXTS = (256, 1024, 4096, 32768, 131072)
 #: (block_n, warps, stages, programs_per_sm, max_registers); the first is the default of ``kernels.attention``
-SMALL_PROGRAMS = ((128, 4, 2, 4, 128), (128, 2, 2, 6, 0), (64, 2, 2, 8, 0), (32, 2, 2, 12, 0), (32, 1, 2, 16, 0),
-                  (64, 1, 2, 16, 0), (32, 1, 2, 24, 0))
+CONFIGURATIONS = ((128, 4, 2, 4, 128), (128, 2, 2, 6, 0), (64, 2, 2, 8, 0), (32, 2, 2, 12, 0), (32, 1, 2, 16, 0),
+                  (64, 1, 2, 16, 0), (32, 1, 2, 24, 0), (128, 4, 2, 5, 96), (64, 4, 2, 5, 96), (64, 4, 2, 7, 72),
+                  (128, 8, 2, 2, 128), (128, 8, 2, 3, 80), (256, 8, 2, 2, 128))
 
 
 def host_us(fn: Callable[[], object], calls: int = 300, rounds: int = 5) -> float:
@@ -65,15 +66,15 @@ def fixed_cost(iters: int) -> list[dict]:
     return rows
 
 
-def small_programs(iters: int) -> list[dict]:
-    """Graph-replayed µs of the step for each configuration of :data:`SMALL_PROGRAMS` at 32k and 128k tokens."""
+def configurations(iters: int) -> list[dict]:
+    """Graph-replayed µs of the step for each of :data:`CONFIGURATIONS` at 32k and 128k tokens."""
     from tqvec.kernels import attention as ka  # noqa: PLC0415
 
     default = _configuration(ka)
     rows = []
     for context in (32768, 131072):
         step = random_step(1, context, 4, 128)
-        for config in SMALL_PROGRAMS:
+        for config in CONFIGURATIONS:
             _configure(ka, config)
             rows.append({"context": context, **dict(zip(CONFIG_NAMES, config)),
                          "step_us": 1000 * _time_ms(lambda: scan.attend(step), iters, graph=True)})  # noqa: B023
@@ -97,7 +98,7 @@ def host_cost() -> dict[str, float]:
     return row
 
 
-def _markdown(fixed: list[dict], small: list[dict], host: dict[str, float], command: str, device: str) -> str:
+def _markdown(fixed: list[dict], configs: list[dict], host: dict[str, float], command: str, device: str) -> str:
     out = [f"# Decode-attention diagnostics on {device} (batch 1, 4-bit K/V, 32 query / 8 KV heads, d 128)", "",
            f"Command: `{command}`. Graph-replayed medians (L2 flushed) unless said otherwise.", "",
            "Fixed cost (each kernel replayed alone from its own graph, so each carries its own replay overhead):", "",
@@ -108,7 +109,7 @@ def _markdown(fixed: list[dict], small: list[dict], host: dict[str, float], comm
             "| context | tokens per tile | warps | stages | programs per SM | max registers (0: no cap) | step µs |",
             "|---|---|---|---|---|---|---|"]
     out += [f"| {r['context']} | {r['block_n']} | {r['warps']} | {r['stages']} | {r['programs_per_sm']} | "
-            f"{r['max_registers']} | {r['step_us']:.1f} |" for r in small]
+            f"{r['max_registers']} | {r['step_us']:.1f} |" for r in configs]
     out += ["", "Host time per eager call at 8k tokens (Python and launch; median of 5 rounds of 300 calls):", "",
             "| split µs | combine µs | step µs | fp16 SDPA µs |", "|---|---|---|---|",
             f"| {host['split_us']:.1f} | {host['combine_us']:.1f} | {host['step_us']:.1f} | {host['sdpa_us']:.1f} |"]
@@ -124,12 +125,12 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench.kv_gpu_diag needs a CUDA device")
     command = "python -m bench.kv_gpu_diag " + shlex.join(argv if argv is not None else sys.argv[1:])
-    fixed, small, host = fixed_cost(args.iters), small_programs(args.iters), host_cost()
+    fixed, configs, host = fixed_cost(args.iters), configurations(args.iters), host_cost()
     device = torch.cuda.get_device_name()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kv_gpu_diag.json").write_text(json.dumps(
-        {"command": command, "device": device, "fixed_cost": fixed, "small_programs": small, "host_cost": host}, indent=2))
-    (args.out / "kv_gpu_diag.md").write_text(_markdown(fixed, small, host, command, device))
+        {"command": command, "device": device, "fixed_cost": fixed, "configurations": configs, "host_cost": host}, indent=2))
+    (args.out / "kv_gpu_diag.md").write_text(_markdown(fixed, configs, host, command, device))
 
 
 if __name__ == "__main__":
