@@ -14,7 +14,8 @@ Two kernels, no ``(heads, tokens)`` score matrix in memory:
 1. :func:`split_kernel`, grid ``(b·h, splits + 1)``. Program ``(bh, s < splits)`` takes a contiguous slice of the
    coded tokens: it rotates its queries itself (``q̃ = log2(e) · scaling · q · Π_k``, one ``tl.dot``), scores each
    tile of codes with ``tl.dot`` (float16 operands, float32 accumulation), runs an online base-2 softmax,
-   accumulates ``Σ p_i s^v_i ŷ^v_i`` and finally maps it back to head channels (``· B_v``, plus ``μ_v · l``).
+   accumulates ``Σ p_i s^v_i ŷ^v_i`` and finally maps it back to head channels (``· B_v`` in float16 after dividing
+   by ``l``, plus ``μ_v``, times ``l``).
    Program ``(bh, splits)`` attends exactly to the sink and window tokens (scores ``q·k − q·μ_k``: the same shift
    the codes carry, so both share one softmax). Each program writes its partial ``m``, ``l`` and accumulator
    ``(G, head_dim)`` (float32).
@@ -183,10 +184,14 @@ def split_kernel(
             acc0 = tl.dot(pv, v0, acc0 * alpha[:, None])
             if V1_DIM > 0:
                 acc1 = tl.dot(pv, v1, acc1 * alpha[:, None])
-        acc = tl.dot(acc0, _matrix(back_ptr, V0_CH, 0, V0_DIM, DH, DH, V0_PAD, DH_PAD).to(tl.float32))
+        # back to head channels on float16 tensor cores, the accumulators divided by l first (they grow with the
+        # slice's softmax mass, float16 would overflow)
+        inv_l = 1.0 / tl.where(l > 0, l, 1.0)
+        acc = tl.dot((acc0 * inv_l[:, None]).to(tl.float16), _matrix(back_ptr, V0_CH, 0, V0_DIM, DH, DH, V0_PAD, DH_PAD))
         if V1_DIM > 0:
-            acc = tl.dot(acc1, _matrix(back_ptr, V1_CH, 0, V1_DIM, DH, DH, V1_PAD, DH_PAD).to(tl.float32), acc)
-        acc += l[:, None] * tl.load(v_mean_ptr + bh64 * DH + c, mask=c < DH, other=0.0)[None, :]
+            acc = tl.dot((acc1 * inv_l[:, None]).to(tl.float16), _matrix(back_ptr, V1_CH, 0, V1_DIM, DH, DH, V1_PAD,
+                                                                          DH_PAD), acc)
+        acc = (acc + tl.load(v_mean_ptr + bh64 * DH + c, mask=c < DH, other=0.0)[None, :]) * l[:, None]
     else:
         qmu = tl.sum(q * tl.load(k_mean_ptr + bh64 * DH + c, mask=c < DH, other=0.0)[None, :], axis=1)
         acc = tl.zeros((BLOCK_G, DH_PAD), tl.float32)

@@ -70,8 +70,9 @@ def test_attend_is_close_to_exact_attention_at_8_bits():
 ])
 def test_kernels_equal_torch_reference(bits, d, group, tokens, dtype):
     """Triton kernels (on CUDA, or the interpreter on CPU) vs the torch reference. The kernels round the queries, the
-    rotation matrices, the levels and the probabilities to float16 and map values back in TF32 (relative 2⁻¹¹ each):
-    3e-3 relative error bound, plus the output dtype's own rounding for float16/bfloat16 queries (bfloat16: 2⁻⁸)."""
+    rotation matrices, the levels, the probabilities and the value accumulators (divided by their softmax mass) to
+    float16 (relative 2⁻¹¹ each): 3e-3 relative error bound, plus the output dtype's own rounding for float16/bfloat16
+    queries (bfloat16: 2⁻⁸)."""
     handle, _, _, g = _layer(bits, d, tokens, batch=2, device=KERNEL_DEVICE)
     q = _query(handle, group, g, dtype)
     mask = torch.ones(2, 1, 1, handle.kv_length, dtype=torch.bool, device=KERNEL_DEVICE)
