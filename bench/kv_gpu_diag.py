@@ -5,7 +5,8 @@
 * configurations: the whole step at 32k and 128k tokens with 1- and 2-warp split programs (short tiles, more
   programs per SM), with register caps that fit more warps per SM, and with 8-warp programs, beside the default;
 * host cost: Python and launch time per eager call (no synchronization inside the timed calls: what eager
-  decoding pays per layer) of the split kernel, the combine kernel, the whole step and fp16 SDPA, at 8k tokens.
+  decoding pays per layer) of the split kernel, the combine kernel, the whole step and fp16 SDPA, at 8k tokens, with
+  the kernels' direct launches and through Triton's own launch path.
 
 ``python -m bench.kv_gpu_diag --out DIR`` writes ``kv_gpu_diag.json`` / ``kv_gpu_diag.md`` (batch 1, 4-bit K/V).
 """
@@ -28,6 +29,7 @@ from tqvec import scan
 from .kv_gpu import CONFIG_NAMES, HKV, HQ, RESULTS, D, _configuration, _configure, _time_ms, random_step
 
 FIXED_CONTEXTS = (256, 1024, 4096, 32768, 131072)
+LAUNCHES = {"direct": "direct (`kernels.launch.Launcher`, default)", "triton": "Triton's `kernel[grid](...)`"}
 #: (block_n, warps, stages, programs_per_sm, max_registers); the first is the default of ``kernels.attention``
 CONFIGURATIONS = ((128, 4, 2, 4, 128), (128, 2, 2, 6, 0), (64, 2, 2, 8, 0), (32, 2, 2, 12, 0), (32, 1, 2, 16, 0),
                   (64, 1, 2, 16, 0), (32, 1, 2, 24, 0), (128, 4, 2, 5, 96), (64, 4, 2, 5, 96), (64, 4, 2, 7, 72),
@@ -83,22 +85,27 @@ def configurations(iters: int) -> list[dict]:
     return rows
 
 
-def host_cost() -> dict[str, float]:
-    """Host µs per eager call at 8k tokens: split, combine, step (``tqvec.scan.attend``) and fp16 SDPA."""
+def host_cost() -> list[dict]:
+    """Host µs per eager call at 8k tokens: split, combine, step (``tqvec.scan.attend``) and fp16 SDPA, with the
+    kernels' direct launches (the default) and through Triton's own launch path."""
     from tqvec.kernels import attention as ka  # noqa: PLC0415
 
     step = random_step(1, 8192, 4, 128)
     partials = ka.split(step)
     k = torch.randn(1, HKV, 8192, D, device="cuda", dtype=torch.float16)
     q = torch.randn(1, HQ, 1, D, device="cuda", dtype=torch.float16)
-    row = {"split_us": host_us(lambda: ka.split(step)), "combine_us": host_us(lambda: ka.combine(partials)),
-           "step_us": host_us(lambda: scan.attend(step)),
-           "sdpa_us": host_us(lambda: F.scaled_dot_product_attention(q, k, k, enable_gqa=True))}
-    print(json.dumps(row), flush=True)
-    return row
+    rows = []
+    for direct in (True, False):
+        ka.SPLIT.direct = ka.COMBINE.direct = direct
+        rows.append({"launch": "direct" if direct else "triton", "split_us": host_us(lambda: ka.split(step)),
+                     "combine_us": host_us(lambda: ka.combine(partials)), "step_us": host_us(lambda: scan.attend(step)),
+                     "sdpa_us": host_us(lambda: F.scaled_dot_product_attention(q, k, k, enable_gqa=True))})
+        print(json.dumps(rows[-1]), flush=True)
+    ka.SPLIT.direct = ka.COMBINE.direct = True
+    return rows
 
 
-def _markdown(fixed: list[dict], configs: list[dict], host: dict[str, float], command: str, device: str) -> str:
+def _markdown(fixed: list[dict], configs: list[dict], host: list[dict], command: str, device: str) -> str:
     out = [f"# Decode-attention diagnostics on {device} (batch 1, 4-bit K/V, 32 query / 8 KV heads, d 128)", "",
            f"Command: `{command}`. Graph-replayed medians (L2 flushed) unless said otherwise.", "",
            "Fixed cost (each kernel replayed alone from its own graph, so each carries its own replay overhead):", "",
@@ -111,8 +118,9 @@ def _markdown(fixed: list[dict], configs: list[dict], host: dict[str, float], co
     out += [f"| {r['context']} | {r['block_n']} | {r['warps']} | {r['stages']} | {r['programs_per_sm']} | "
             f"{r['max_registers']} | {r['step_us']:.1f} |" for r in configs]
     out += ["", "Host time per eager call at 8k tokens (Python and launch; median of 5 rounds of 300 calls):", "",
-            "| split µs | combine µs | step µs | fp16 SDPA µs |", "|---|---|---|---|",
-            f"| {host['split_us']:.1f} | {host['combine_us']:.1f} | {host['step_us']:.1f} | {host['sdpa_us']:.1f} |"]
+            "| launch | split µs | combine µs | step µs | fp16 SDPA µs |", "|---|---|---|---|---|"]
+    out += [f"| {LAUNCHES[r['launch']]} | {r['split_us']:.1f} | {r['combine_us']:.1f} | {r['step_us']:.1f} | "
+            f"{r['sdpa_us']:.1f} |" for r in host]
     return "\n".join(out) + "\n"
 
 

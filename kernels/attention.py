@@ -37,6 +37,7 @@ import triton.language as tl
 
 from tqvec.packing import Layout
 
+from .launch import Launcher
 from .ops import MIN_BLOCK_D, cdiv, interpreting, pow2, segment_args
 from .unpack import nibble_pair_asm, nibble_pairs, segment_values
 
@@ -259,6 +260,9 @@ def channel_order(layout: Layout) -> torch.Tensor:
     return torch.arange(d)
 
 
+#: direct launchers of the two kernels (:class:`~.launch.Launcher`: no per-call argument binding on CUDA)
+SPLIT = Launcher(split_kernel)
+COMBINE = Launcher(combine_kernel)
 _MEMO: OrderedDict[tuple, tuple[tuple, object]] = OrderedDict()
 
 
@@ -375,14 +379,14 @@ def split(a: DecodeAttention) -> Partials:
         valid = valid.contiguous()
     kp, ks, vp, vs = (t.contiguous() for t in (keys.packed, keys.scale, values.packed, values.scale))
     sk, sv, wk, wv = (t.contiguous() for t in (a.sink_keys, a.sink_values, a.window_keys, a.window_values))
-    split_kernel[(b * h, splits + 1)](
+    SPLIT((b * h, splits + 1), (
         q_rows, _in_kernel_order(a.key_rotation, keys.table.layout, 1),
         _in_kernel_order(a.value_back, values.table.layout, 0), a.key_mean.float().contiguous(),
         a.value_mean.float().contiguous(), kp, ks, vp, vs, keys.table.levels, values.table.levels,
         sk, sv, wk, wv, valid if has_valid else m, m, l, acc,
         a.scaling * LOG2E, n, per_split, h, splits, sk.shape[2], wk.shape[2], kp.shape[2], ks.shape[2], vp.shape[2], vs.shape[2],
-        valid.stride(0) if has_valid else 0, **_split_constexprs(keys.table, values.table, G, dh, has_valid, interpret),
-    )
+        valid.stride(0) if has_valid else 0), _split_constexprs(keys.table, values.table, G, dh, has_valid, interpret),
+        interpret)
     return Partials(m, l, acc, (b, h, G, dh), q.dtype)
 
 
@@ -392,11 +396,15 @@ def combine(p: Partials) -> torch.Tensor:
     parts = p.m.shape[1]
     out = torch.empty(p.shape, dtype=p.dtype, device=p.m.device)
     block_c = min(COMBINE_CHANNELS, pow2(dh))
-    combine_kernel[(b * h, G, cdiv(dh, block_c))](
-        p.m, p.l, p.acc, out, parts, G=G, DH=dh, BLOCK_S=max(16, pow2(parts)), BLOCK_C=block_c,
-        num_warps=4,
-    )
+    COMBINE((b * h, G, cdiv(dh, block_c)), (p.m, p.l, p.acc, out, parts),
+            _combine_constexprs(G, dh, max(16, pow2(parts)), block_c), interpreting())
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _combine_constexprs(G: int, dh: int, block_s: int, block_c: int) -> dict[str, int]:
+    """:func:`combine_kernel`'s compile-time arguments and launch options (one dict per configuration)."""
+    return dict(G=G, DH=dh, BLOCK_S=block_s, BLOCK_C=block_c, num_warps=4)
 
 
 def _dh_pad(dh: int) -> int:

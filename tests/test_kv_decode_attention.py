@@ -85,6 +85,27 @@ def test_kernels_equal_torch_reference(bits, d, group, tokens, dtype):
         assert ((out - ref).norm() / ref.norm()).item() < 3e-3 + (1e-2 if dtype != torch.float32 else 0)
 
 
+def test_direct_launches_on_cuda_match_and_follow_alignment():
+    """After the first call of a specialization the kernels are launched directly on CUDA (never under the
+    interpreter); a query 2 bytes off a 16-byte boundary is a new specialization, not the aligned kernel reused."""
+    handle, _, _, g = _layer(4, 64, 120, batch=2, device=KERNEL_DEVICE)
+    q = _query(handle, 2, g, torch.float16)
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)[1:].view(q.shape)
+    shifted.copy_(q)
+    before = kernels.SPLIT.direct_launches, kernels.COMBINE.direct_launches
+    for query in (q, q, q, shifted, shifted):
+        step = decode_step(handle, query, None, 64 ** -0.5)
+        ref = scan._attend_torch(step).float()
+        out = kernels.decode_attention(step).float()
+        assert ((out - ref).norm() / ref.norm()).item() < 3e-3 + 1e-2  # float16 queries: as above
+    split = kernels.SPLIT.direct_launches - before[0]
+    combine = kernels.COMBINE.direct_launches - before[1]
+    # CUDA: the split kernel is compiled for the first aligned and the first shifted call and launched directly on the
+    # three others; the combine kernel (the same specialization throughout, maybe compiled by an earlier test) on at
+    # least the last four
+    assert (split, combine >= 4) == ((0, False) if KERNEL_DEVICE == "cpu" else (3, True))
+
+
 def test_decode_step_declines_what_it_cannot_run():
     handle, _, _, g = _layer(3.5, 32, 60, split="outlier")
     assert decode_step(handle, _query(handle, 2, g), None, 0.1) is None  # two channel groups
