@@ -22,6 +22,10 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     native_specialize_impl = None
 
 
+#: specializations kept per kernel
+MAX_ENTRIES = 256
+
+
 class Launcher:
     """``Launcher(kernel)(grid, args, constexprs, interpret)`` launches ``kernel[grid](*args, **constexprs)``.
 
@@ -52,6 +56,8 @@ class Launcher:
         if hit is None or hit[0] is not constexprs:
             compiled = self.kernel[grid](*args, **constexprs)
             if hasattr(compiled, "function") and hasattr(compiled, "packed_metadata"):
+                if len(self.compiled) >= MAX_ENTRIES:  # configurations come and go (sweeps, tests): start over
+                    self.compiled.clear()
                 self.compiled[key] = (constexprs, compiled, [constexprs.get(name) for name in self.names])
             return
         _, compiled, full = hit
