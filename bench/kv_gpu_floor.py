@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from tqvec import scan
+from tqvec.kernels.launch import cdiv
 from tqvec.kernels.unpack import nibble_pair_asm, nibble_pairs
 from tqvec.kv.codec import HeadCodec
 
@@ -72,7 +73,7 @@ def fold(codes: torch.Tensor, levels: torch.Tensor, asm: str, block: int, progra
     "")."""
     out = torch.empty(programs, dtype=torch.int32, device=codes.device)
     words = codes.view(torch.int32)
-    per_words = triton.cdiv(triton.cdiv(words.numel(), programs), block // 4) * (block // 4)
+    per_words = cdiv(cdiv(words.numel(), programs), block // 4) * (block // 4)
     if decode:
         _decode_fold[(programs,)](codes, levels, out, codes.numel(), 4 * per_words, ASM=asm, BLOCK=block)
     else:

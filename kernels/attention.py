@@ -37,8 +37,8 @@ import triton.language as tl
 
 from tqvec.packing import Layout
 
-from .launch import Launcher
-from .ops import MIN_BLOCK_D, cdiv, interpreting, pow2, segment_args
+from .launch import Launcher, cdiv, pow2
+from .ops import MIN_BLOCK_D, interpreting, segment_args
 from .unpack import nibble_pair_asm, nibble_pairs, segment_values
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""Direct launches of compiled Triton kernels, for kernels launched once per layer and decode step.
+"""Host-side launch helpers: direct launches of compiled Triton kernels, and grid arithmetic.
 
 ``kernel[grid](*args, **constexprs)`` binds all of a kernel's arguments in Python on every call and checks its caches
 (~100–200 µs of host time per launch of the decode-attention kernel, which takes ~90 arguments). :class:`Launcher`
@@ -7,6 +7,9 @@ keeps the compiled kernel that such a call returns, keyed by what Triton special
 divisibility) and by the compile-time arguments, and launches it through its own launcher afterwards. The first call
 of each specialization, the interpreter, launch hooks (profilers) and Triton versions without these internals take
 the normal path.
+
+:func:`cdiv` and :func:`pow2` size grids and blocks on the host: ``triton.cdiv`` and ``triton.next_power_of_2`` are
+constexpr functions, microseconds per call from Python, on every launch.
 """
 from __future__ import annotations
 
@@ -20,6 +23,16 @@ try:  # Triton internals (3.x); without them every call takes the normal path
     from triton import knobs
 except ImportError:  # pragma: no cover - depends on the installed Triton
     native_specialize_impl = None
+
+
+def cdiv(x: int, y: int) -> int:
+    """``⌈x / y⌉`` on the host."""
+    return -(-x // y)
+
+
+def pow2(x: int) -> int:
+    """The smallest power of two ``≥ x`` (``x ≥ 1``), on the host."""
+    return 1 << (x - 1).bit_length()
 
 
 #: specializations kept per kernel

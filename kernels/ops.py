@@ -44,6 +44,7 @@ from tqvec.scan import CodeBlock, CodeTable
 
 from . import topk as topk_kernels
 from .encode_kernel import encode_kernel
+from .launch import cdiv, pow2
 from .scan_kernel import half_queries_kernel, matvec_kernel, refine_kernel, tile_kernel
 
 T = TypeVar("T")
@@ -122,17 +123,6 @@ def segment_args(layout: Layout, prefix: str = "S") -> dict[str, int]:
     segments += [(0, 0, 1, 0, 0, 0)] * (2 - len(segments))
     names = ("CH", "DIM", "BITS", "NBYTES", "BYTE", "ROW")
     return {f"{prefix}{s}_{name}": value for s, seg in enumerate(segments) for name, value in zip(names, seg)}
-
-
-def cdiv(x: int, y: int) -> int:
-    """``⌈x / y⌉`` on the host (``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions: microseconds
-    per call from Python, on every launch)."""
-    return -(-x // y)
-
-
-def pow2(x: int) -> int:
-    """The smallest power of two ``≥ x`` (``x ≥ 1``), on the host."""
-    return 1 << (x - 1).bit_length()
 
 
 def _pow2_clamp(x: int, lo: int, hi: int) -> int:

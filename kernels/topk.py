@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import cdiv, pow2
+
 
 #: largest power-of-two key count kept per program (k or k + GROUP_MARGIN beyond it: torch.topk)
 MAX_K_PAD = 1024
@@ -156,7 +158,7 @@ def bitonic() -> bool:
 
 def k_pad(k: int) -> int:
     """Keys kept per program for a top-``k`` (a power of two ≥ 2)."""
-    return max(2, triton.next_power_of_2(k))
+    return max(2, pow2(k))
 
 
 def supported(k: int) -> bool:
@@ -166,12 +168,12 @@ def supported(k: int) -> bool:
 
 def _plan(length: int, nq: int, block: int, kp: int) -> tuple[int, int]:
     """``(splits, tiles)`` of one pass over rows of ``length`` candidates in blocks of ``block``."""
-    n_blocks = triton.cdiv(length, block)
+    n_blocks = cdiv(length, block)
     if n_blocks <= SERIAL_BLOCKS:
         return 1, n_blocks
     most = MAX_SPLITS_FEW if nq < SMALL_NQ else MAX_SPLITS
-    tiles = triton.cdiv(n_blocks, most)
-    splits = triton.cdiv(n_blocks, tiles)
+    tiles = cdiv(n_blocks, most)
+    splits = cdiv(n_blocks, tiles)
     if 2 * splits * kp > length:  # the next pass would not be shorter by half: finish here
         return 1, n_blocks
     return splits, tiles
