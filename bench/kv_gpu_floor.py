@@ -10,8 +10,9 @@ minimal Triton kernels stream code bytes of the same size as the decode step's, 
 Each floor is the fastest over a few program shapes (:data:`SHAPES`: bytes per loop step × programs per SM).
 
 Beside them, in the same run: the empty floor (a graph replaying one trivial kernel), the tqvec decode step and fp16
-SDPA (both graph-replayed, L2 flushed, as in ``bench.kv_gpu``). A kernel that does attention on top of the decode
-cannot beat the *read + decode* floor, so it bounds what any kernel built on this decoder can reach.
+SDPA (both graph-replayed, L2 flushed, as in ``bench.kv_gpu``). Attention built on this decoder has at least the
+*read + decode* work to do; the floors (the best of a few shapes of a simple kernel, not proven bounds) show roughly
+how far below them it can get.
 
 ``python -m bench.kv_gpu_floor --out DIR`` writes ``kv_gpu_floor.json`` / ``kv_gpu_floor.md``.
 """

@@ -4,7 +4,8 @@
 (~100–200 µs of host time per launch of the decode-attention kernel, which takes ~90 arguments). :class:`Launcher`
 keeps the compiled kernel that such a call returns, keyed by what Triton specializes on for the runtime arguments
 (computed by Triton's own ``native_specialize_impl``: tensors' dtype and 16-byte alignment, integers' width and
-divisibility) and by the compile-time arguments, and launches it through its own launcher afterwards. The first call
+divisibility), by the compile-time arguments and by the debug and instrumentation settings, and launches it through
+its own launcher afterwards. The first call
 of each specialization, the interpreter, launch hooks (profilers) and Triton versions without these internals take
 the normal path.
 
@@ -62,9 +63,12 @@ class Launcher:
         if interpret or not self.direct or _hooked():
             self.kernel[grid](*args, **constexprs)
             return
+        if len(args) != len(self.slots):
+            raise TypeError(f"{self.kernel.__name__} takes {len(self.slots)} runtime arguments, got {len(args)}")
         device = driver.active.get_current_device()
-        backend = self.kernel.device_caches[device][3]
-        key = (device, id(constexprs), *(native_specialize_impl(backend, a, *f)[:2] for a, f in zip(args, self.flags)))
+        backend = self.kernel.device_caches[device][-2]  # (…, target, backend, binder)
+        key = (device, id(constexprs), knobs.runtime.debug, getattr(knobs.compilation, "instrumentation_mode", None),
+               *(native_specialize_impl(backend, a, *f)[:2] for a, f in zip(args, self.flags)))
         hit = self.compiled.get(key)
         if hit is None or hit[0] is not constexprs:
             compiled = self.kernel[grid](*args, **constexprs)
