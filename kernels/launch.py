@@ -70,7 +70,7 @@ class Launcher:
         key = (device, id(constexprs), knobs.runtime.debug, getattr(knobs.compilation, "instrumentation_mode", None),
                *(native_specialize_impl(backend, a, *f)[:2] for a, f in zip(args, self.flags)))
         hit = self.compiled.get(key)
-        if hit is None or hit[0] is not constexprs:
+        if hit is None:  # (an id in the key cannot be reused while the entry holds its dict)
             compiled = self.kernel[grid](*args, **constexprs)
             if hasattr(compiled, "function") and hasattr(compiled, "packed_metadata"):
                 if len(self.compiled) >= MAX_ENTRIES:  # configurations come and go (sweeps, tests): start over
