@@ -320,6 +320,24 @@ def test_encode_larger_than_one_block(monkeypatch: pytest.MonkeyPatch) -> None:
         assert torch.equal(got, want)
 
 
+
+@pytest.mark.parametrize("mode, rotation, rescale", [("mse", "haar", True), ("prod", "haar", False), ("mse", "hadamard", False)])
+def test_encoding_is_batch_invariant(mode: str, rotation: str, rescale: bool) -> None:
+    """A vector's codes are byte-identical whether it is encoded alone, in any batch, or in any position: BLAS
+    picks kernels by row count, so without fixed-shape products a vector's residual norm or a code at a
+    decision boundary could change with its batch (seen on AMD EPYC)."""
+    import tqvec.quantizer as quantizer_module
+
+    dim = 96
+    quantizer = TurboQuantizer(dim, 3, mode, rotation, seed=3, rescale=rescale)
+    block = quantizer_module.ENCODE_BLOCK_VALUES // quantizer.rotated_dim  # rows per CPU encode step
+    x = torch.from_numpy(unit_vectors(block + 1, dim, seed=4) * 3.0)
+    whole = quantizer.encode(x)
+    for start, size in [(0, 1), (5, 1), (3, 7), (8, 8), (0, 1000), (block - 40, 40), (0, block - 1), (0, block), (1, block)]:
+        part = quantizer.encode(x[start:start + size])
+        for got, want in zip(part._tensors(), whole[start:start + size]._tensors()):
+            assert torch.equal(got, want), (start, size)
+
 # ---------------------------------------------------------------- fast encoder = the encoder it replaced
 def reference_encode(quantizer: TurboQuantizer, x: np.ndarray) -> Codes:
     """The CPU encoder as it was before the fast path, step by step: int64 ``bucketize`` per segment, bitwise

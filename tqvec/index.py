@@ -61,7 +61,7 @@ import torch
 from . import scan, storage
 from .packing import Layout, layout_for_bytes, read_tail, write_tail
 from .quantizer import Codes, TurboQuantizer
-from .rotation import rotated_dim
+from .rotation import rotated_dim, rowwise_matmul
 from .validation import as_float_matrix, as_ids, check_bits, check_choice, check_positive_int
 
 METRICS = ("ip", "l2", "cosine")
@@ -354,10 +354,10 @@ class Index(CodedRows):
         codes = self.quantizer.encode_checked(centered)
         out = {"packed": codes.packed}
         if self.tail_bits:
-            write_tail(codes.packed, self._bias_code(x @ self._center), self.quantizer.layout, self.tail_bits)
+            write_tail(codes.packed, self._bias_code(self._center_products(x)), self.quantizer.layout, self.tail_bits)
         side = {"scale": codes.scales, "residual": codes.residual_norms}
         if "bias" in self.side_fields:
-            bias = torch.zeros(x.shape[0], device=x.device) if self._center is None else x @ self._center
+            bias = torch.zeros(x.shape[0], device=x.device) if self._center is None else self._center_products(x)
             side["bias"] = bias - 0.5 * (x * x).sum(1) if self.metric == "l2" else bias
         out.update({name: _store_side(side[name], dtype) for name, dtype in self.side_fields.items()})
         if self.mode == "prod":
@@ -366,6 +366,10 @@ class Index(CodedRows):
             fine = self.fine_quantizer.encode_checked(centered)
             out.update(fine_packed=fine.packed, fine_scale=fine.scales)
         return out
+
+    def _center_products(self, x: torch.Tensor) -> torch.Tensor:
+        """⟨c, x⟩ ``(n,)`` of every row, each independent of the batch it came in (:func:`rowwise_matmul`)."""
+        return rowwise_matmul(x, self._center[:, None])[:, 0]
 
     def _append(self, new: dict[str, torch.Tensor], ids: np.ndarray) -> None:
         rows, n, m = self._rows, self._rows.size, len(ids)

@@ -52,6 +52,7 @@ import torch
 from . import scan, storage
 from .index import CORRECTIONS, METRICS, CodedRows, new_ids, rows_of_ids, search_results, sort_ids
 from .quantizer import Codes, TurboQuantizer
+from .rotation import rowwise_matmul
 from .validation import as_float_matrix, as_ids, check_bits, check_choice, check_positive_int
 
 ENCODINGS = ("residual", "direct")
@@ -110,7 +111,7 @@ def _assign(x: torch.Tensor, centroids: torch.Tensor, by_ip: bool, block: int = 
     half_sq = 0.5 * (centroids * centroids).sum(1)
     out = []
     for start in range(0, x.shape[0], block):
-        s = x[start:start + block] @ centroids.T
+        s = rowwise_matmul(x[start:start + block], centroids.T)
         out.append((s if by_ip else s - half_sq).argmax(1))
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64, device=x.device)
 

@@ -28,7 +28,7 @@ import torch
 from . import scan
 from .codebook import lloyd_max_codebook
 from .packing import Layout, layout_for_bytes, pack, pack_signs, split_channels, unpack, unpack_signs
-from .rotation import gaussian_matrix, make_rotation, rotated_dim
+from .rotation import gaussian_matrix, make_rotation, rotated_dim, rowwise_matmul
 from .validation import as_float_matrix, check_bits, check_choice, check_positive_int
 
 MODES = ("mse", "prod")
@@ -312,7 +312,7 @@ class TurboQuantizer:
         if self.mode == "mse":
             return Codes(packed, scales)
         residual = rotated - self._levels_of(indices)
-        signs = pack_signs(residual @ self.qjl_matrix(x.device).T)
+        signs = pack_signs(rowwise_matmul(residual, self.qjl_matrix(x.device).T))
         return Codes(packed, scales, signs, torch.linalg.vector_norm(residual, dim=1))
 
     def _encode_block_cuda(self, x: torch.Tensor) -> Codes:
@@ -328,7 +328,7 @@ class TurboQuantizer:
             return Codes(packed, scales)
         unit = rotated / torch.where(norms > 0, norms, torch.ones_like(norms))[:, None]
         residual = unit - scan.dequantize(packed, self.table(x.device))
-        signs = pack_signs(residual @ self.qjl_matrix(x.device).T)
+        signs = pack_signs(rowwise_matmul(residual, self.qjl_matrix(x.device).T))
         return Codes(packed, scales, signs, torch.linalg.vector_norm(residual, dim=1))
 
     def decode(self, codes: Codes) -> torch.Tensor:
@@ -337,7 +337,7 @@ class TurboQuantizer:
         if self.mode == "prod":
             signs = unpack_signs(codes.qjl, self.rotated_dim)
             gain = math.sqrt(math.pi / 2) / self.rotated_dim
-            rotated = rotated + gain * codes.residual_norms[:, None] * (signs @ self.qjl_matrix(codes.device))
+            rotated = rotated + gain * codes.residual_norms[:, None] * rowwise_matmul(signs, self.qjl_matrix(codes.device))
         return self.rotation.inverse(rotated) * codes.scales[:, None]
 
     def code_norms(self, packed: torch.Tensor) -> torch.Tensor:
@@ -376,7 +376,7 @@ class TurboQuantizer:
         """Rotated queries ``Πq`` ``(nq, D)`` and, in ``prod`` mode, their QJL projections ``SΠq``."""
         q = as_float_matrix(queries, self.dim, "queries")
         rotated = self.rotation.forward(q)
-        projected = rotated @ self.qjl_matrix(q.device).T if self.mode == "prod" else None
+        projected = rowwise_matmul(rotated, self.qjl_matrix(q.device).T) if self.mode == "prod" else None
         return rotated, projected
 
     def code_block(self, codes: Codes, bias: torch.Tensor | None = None) -> scan.CodeBlock:

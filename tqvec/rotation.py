@@ -7,13 +7,41 @@
   Walsh–Hadamard H) on vectors zero-padded to the next power of two P ≥ d. ``O(P log P)`` per vector;
   the rotated vectors have P coordinates, so codes cost P, not d, channels when d is not a power of two.
 
-Both map ``(n, dim)`` → ``(n, out_dim)`` with :meth:`forward` and back with :meth:`inverse`.
+Both map ``(n, dim)`` → ``(n, out_dim)`` with :meth:`forward` and back with :meth:`inverse`, and on the
+CPU row ``i`` of the result depends on row ``i`` of the input alone (:func:`rowwise_matmul`).
 """
 from __future__ import annotations
 
 import math
 
 import torch
+
+
+#: rows per product in :func:`rowwise_matmul`: every CPU product of a batch has exactly this shape
+ROW_BLOCK = 32
+
+
+def rowwise_matmul(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """``x @ matrix`` ``(n, k) @ (k, m) → (n, m)`` whose row ``i`` depends on ``x[i]`` alone, not on ``n`` or the
+    other rows (batch-invariant).
+
+    BLAS libraries pick different kernels, with different summation orders, for different row counts, so a
+    plain ``x @ matrix`` can give a vector other bits in a batch of 7 than alone. On the CPU the rows are
+    zero-padded to a multiple of :data:`ROW_BLOCK` and multiplied as a batch of equal ``(ROW_BLOCK, k)``
+    blocks, so every row goes through the same product whatever the batch. Other devices: plain ``@``.
+
+    >>> x, m = torch.randn(40, 8), torch.randn(8, 3)
+    >>> torch.equal(rowwise_matmul(x, m)[5:6], rowwise_matmul(x[5:6], m))
+    True
+    """
+    if x.device.type != "cpu" or x.ndim != 2 or x.shape[0] == 0:
+        return x @ matrix
+    n, k = x.shape
+    blocks = -(-n // ROW_BLOCK)
+    if blocks * ROW_BLOCK != n:
+        x = torch.cat([x, x.new_zeros(blocks * ROW_BLOCK - n, k)])
+    out = torch.bmm(x.view(blocks, ROW_BLOCK, k), matrix.expand(blocks, *matrix.shape))
+    return out.reshape(blocks * ROW_BLOCK, matrix.shape[1])[:n]
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -65,11 +93,11 @@ class HaarRotation:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(n, dim)`` float32 → rotated ``(n, dim)``."""
-        return x @ self.matrix(x.device).T
+        return rowwise_matmul(x, self.matrix(x.device).T)
 
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
         """``(n, dim)`` rotated → ``(n, dim)`` original coordinates."""
-        return y @ self.matrix(y.device)
+        return rowwise_matmul(y, self.matrix(y.device))
 
 
 class HadamardRotation:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .packing import Layout, unpack, unpack_signs
+from .rotation import rowwise_matmul
 
 #: rows decoded per block on the CPU path
 BLOCK_ROWS = 16384
@@ -90,13 +91,14 @@ def dequantize(packed: torch.Tensor, table: CodeTable) -> torch.Tensor:
 
 
 def _block_scores(queries: torch.Tensor, projected: torch.Tensor | None, block: CodeBlock, table: CodeTable) -> torch.Tensor:
-    """Scores of all queries against one block: ``(nq, len(block))`` float32."""
-    out = (queries @ dequantize(block.packed, table).T) * block.scale
+    """Scores of all queries against one block: ``(nq, len(block))`` float32; a row's scores do not depend on
+    the other rows of the block (:func:`~tqvec.rotation.rowwise_matmul`), so shards score like one index."""
+    out = rowwise_matmul(dequantize(block.packed, table), queries.T).T * block.scale
     if block.signs is not None:
         if projected is None:
             raise ValueError("codes carry QJL signs: projected queries (S·q) are required")
         signs = unpack_signs(block.signs, projected.shape[1])
-        out += (projected @ signs.T) * block.sign_scale
+        out += rowwise_matmul(signs, projected.T).T * block.sign_scale
     if block.bias is not None:
         out += block.bias
     return out
