@@ -52,7 +52,7 @@ import math
 import os
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -83,11 +83,15 @@ FILE_VERSION = 2
 
 @dataclass
 class _Rows:
-    """Named per-row tensors with spare capacity; rows ``[0, size)`` are live and never modified in place."""
+    """Named per-row tensors with spare capacity; rows ``[0, size)`` are live and never modified in place.
+
+    ``scoring`` caches the scan's view of the live rows (side fields widened to float32 or derived from the
+    codes), built by the first search of this snapshot; a new snapshot is published on every change."""
 
     tensors: dict[str, torch.Tensor]
     ids: np.ndarray
     size: int
+    scoring: list[scan.CodeBlock] = field(default_factory=list)
 
     def view(self) -> "_Rows":
         n = self.size
@@ -477,13 +481,16 @@ class Index(CodedRows):
                 raise ValueError("rerank needs an index built with rerank_bits")
         if self.metric == "cosine":
             q = torch.nn.functional.normalize(q, dim=1)
-        live = self._rows.view()  # consistent snapshot (module docstring)
+        published = self._rows  # consistent snapshot (module docstring)
+        live = published.view()
         center = self._center
         shifted = q if center is None else q - center
         constant = torch.zeros(q.shape[0], device=q.device) if center is None else q @ center - center @ center
         rotated, projected = self.quantizer.rotate_queries(shifted)
-        codes, bias = self._side(live.tensors)
-        block = self.quantizer.code_block(codes, bias)
+        if not published.scoring:
+            published.scoring.append(self.quantizer.code_block(*self._side(live.tensors)))
+        block = published.scoring[0]
+        bias = block.bias
         values, rows = scan.search(rotated, block, self.quantizer.table(self.device), k * (rerank or 1), projected)
         if rerank is not None:
             values, rows = self._rerank(shifted, live, bias, rows, k)

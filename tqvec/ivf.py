@@ -39,17 +39,18 @@ writes atomically through :mod:`tqvec.storage` with kind ``"tqvec.IVFIndex"``).
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from . import scan, storage
+from . import _fastscan, scan, storage
 from .index import CORRECTIONS, METRICS, CodedRows, new_ids, rows_of_ids, search_results, sort_ids
 from .quantizer import Codes, TurboQuantizer
 from .rotation import rowwise_matmul
@@ -79,6 +80,18 @@ class _Snapshot:
     ids: np.ndarray  # (size,) int64
     lists: tuple[torch.Tensor, ...]  # nlist × (n_l,) int32 row numbers
     size: int
+    #: what searches derive from this snapshot, built once: "block" (the scan's view of all rows)
+    cache: dict[str, scan.CodeBlock] = field(default_factory=dict, compare=False, repr=False)
+
+    @functools.cached_property
+    def list_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """The lists as ``(offsets (nlist + 1,), rows (size,))`` int64 arrays for the native scan, built once."""
+        sizes = np.array([len(rows) for rows in self.lists], np.int64)
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        rows = torch.cat(self.lists).long().cpu().numpy() if self.lists else np.zeros(0, np.int64)
+        if len(rows) and (rows.min() < 0 or rows.max() >= self.size):
+            raise RuntimeError("inverted lists name rows outside the index")
+        return offsets, rows
 
 
 def kmeans(x: torch.Tensor, k: int, iterations: int = KMEANS_ITERATIONS, seed: int = 0,
@@ -432,8 +445,15 @@ class IVFIndex(CodedRows):
         else:  # one base for every list
             constant = (torch.zeros(nq, 1, device=q.device) if center is None else (q @ center)[:, None]).expand(-1, self.nlist)
         rotated, projected = self.quantizer.rotate_queries(q)
-        distinct = len(torch.unique(probe)) if nq > 1 else nprobe
-        if nq * GATHER_RATIO <= distinct or nq == 1:
+        if "block" not in snap.cache:  # side fields widened once per snapshot
+            coded = {name: t for name, t in snap.tensors.items() if not name.startswith("fine")}
+            snap.cache["block"] = self.quantizer.code_block(self._codes(coded), coded["bias"].float() if "bias" in coded else None)
+        whole = snap.cache["block"]
+        if scan.native_serves(rotated, whole, self.quantizer.table(self.device)):
+            offsets, members = snap.list_table
+            lists = _fastscan.Groups(offsets, members, probe.cpu().numpy(), constant.gather(1, probe).cpu().numpy())
+            values, rows = scan.search_lists(rotated, whole, self.quantizer.table(self.device), depth, lists)
+        elif nq == 1 or nq * GATHER_RATIO <= len(torch.unique(probe)):
             values, rows = self._search_gather(snap, rotated, projected, probe, constant, depth)
         else:
             values, rows = self._search_lists(snap, rotated, projected, probe, constant, depth)

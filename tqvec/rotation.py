@@ -91,9 +91,10 @@ class HaarRotation:
             self._matrices[device] = self._matrix64.to(device=device, dtype=torch.float32)
         return self._matrices[device]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``(n, dim)`` float32 → rotated ``(n, dim)``."""
-        return rowwise_matmul(x, self.matrix(x.device).T)
+    def forward(self, x: torch.Tensor, rowwise: bool = True) -> torch.Tensor:
+        """``(n, dim)`` float32 → rotated ``(n, dim)``; ``rowwise=False`` allows a faster, batch-dependent product
+        (queries: their codes are never stored)."""
+        return rowwise_matmul(x, self.matrix(x.device).T) if rowwise else x @ self.matrix(x.device).T
 
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
         """``(n, dim)`` rotated → ``(n, dim)`` original coordinates."""
@@ -117,8 +118,8 @@ class HadamardRotation:
             self._signs[device] = self._signs64.to(device=device, dtype=torch.float32)
         return self._signs[device]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``(n, dim)`` float32 → rotated ``(n, out_dim)``."""
+    def forward(self, x: torch.Tensor, rowwise: bool = True) -> torch.Tensor:
+        """``(n, dim)`` float32 → rotated ``(n, out_dim)`` (elementwise: batch-invariant whatever ``rowwise``)."""
         padded = torch.nn.functional.pad(x, (0, self.out_dim - self.dim))
         return fast_walsh_hadamard(padded * self.signs(x.device)) / math.sqrt(self.out_dim)
 

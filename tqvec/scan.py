@@ -9,9 +9,11 @@ codebook levels), and QJL sign bits ``s_i ∈ {±1}^D`` in ``prod`` mode, the sc
 
     score(q, i) = scale[i] · ⟨q, ŷ_i⟩ + sign_scale[i] · ⟨p, s_i⟩ + bias[i]
 
-CPU path: decode a block of rows to float32 through a byte → levels lookup table, then one GEMM
-(measured faster on CPU than a per-query lookup-table scan: see README), then a running top-k.
-Memory stays bounded by ``block_rows × query_chunk`` floats.
+CPU paths: the native kernel (:mod:`tqvec._fastscan`: for codes of at most 4 bits a fast scan with 8-bit tables,
+32 rows per byte shuffle and an exact re-score of the best candidates) wherever it serves the codes (no QJL
+signs), and the torch
+reference: decode a block of rows to float32 through a byte → levels lookup table, then one GEMM, then a running
+top-k. Memory stays bounded by ``block_rows × query_chunk`` floats (torch) or ``nq × rescore`` candidates (native).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import _fastscan
 from .packing import Layout, unpack, unpack_signs
 from .rotation import rowwise_matmul
 
@@ -38,9 +41,16 @@ class CodeTable:
     layout: Layout
     levels: torch.Tensor
     _luts: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    _plan: list[_fastscan.Plan] = field(default_factory=list, compare=False, repr=False)
 
     def to(self, device: torch.device | str) -> "CodeTable":
         return CodeTable(self.layout, self.levels.to(device))
+
+    def native_plan(self) -> _fastscan.Plan:
+        """How the native kernel reads this layout, computed once."""
+        if not self._plan:
+            self._plan.append(_fastscan.plan(self.layout, self.levels))
+        return self._plan[0]
 
     def byte_lookup(self, segment: int) -> torch.Tensor:
         """``(256, 8 // bits)`` float32: the levels of every code packed in one byte value of ``segment``."""
@@ -115,6 +125,24 @@ def _use_kernels(queries: torch.Tensor) -> bool:
     return queries.is_cuda
 
 
+def native_serves(queries: torch.Tensor, block: CodeBlock, table: CodeTable) -> bool:
+    """True when :func:`search` runs the native CPU kernel for these arguments (:mod:`tqvec._fastscan`).
+
+    Raises
+    ------
+    RuntimeError
+        When the kernel is set to ``"native"`` (:func:`tqvec._fastscan.set_cpu_kernel`) and cannot serve them.
+    """
+    kernel = _fastscan.cpu_kernel()
+    if queries.is_cuda or kernel == "torch":
+        return False
+    reason = ("the extension is not built" if not _fastscan.available() else
+              "QJL signs (mode='prod') are scored by torch" if block.signs is not None else None)
+    if reason is not None and kernel == "native":
+        raise RuntimeError(f"the native CPU kernel cannot serve this search: {reason}")
+    return reason is None
+
+
 def scores(queries: torch.Tensor, block: CodeBlock, table: CodeTable, projected: torch.Tensor | None = None) -> torch.Tensor:
     """All scores ``(nq, n)`` float32 of rotated ``queries`` ``(nq, D)`` against ``block``."""
     _check(queries, projected, block, table)
@@ -149,6 +177,33 @@ def search(
         from .kernels import ops  # noqa: PLC0415
 
         return ops.search(queries, block, table, k, projected)
+    if native_serves(queries, block, table):
+        return _fastscan.search(queries, block.packed, block.scale, block.bias, table.native_plan(), k)
+    return _search_torch(queries, block, table, k, projected)
+
+
+def search_lists(queries: torch.Tensor, block: CodeBlock, table: CodeTable, k: int, lists: _fastscan.Groups,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`search` of each query over its own probed lists only, in one native call (inverted-file search):
+    query ``i`` scans the rows of lists ``lists.probe[i]``, adding ``lists.constant[i, j]`` to the scores from list
+    ``lists.probe[i, j]``. Rows index ``block``. Callers check :func:`native_serves` first (the torch strategies of
+    :class:`tqvec.ivf.IVFIndex` serve the rest).
+
+    Raises
+    ------
+    RuntimeError
+        When the native kernel cannot serve these codes.
+    """
+    _check(queries, None, block, table)
+    queries = queries.float()
+    if not native_serves(queries, block, table):
+        raise RuntimeError("search_lists runs the native CPU kernel only: check native_serves first")
+    return _fastscan.search(queries, block.packed, block.scale, block.bias, table.native_plan(), k, lists)
+
+
+def _search_torch(queries: torch.Tensor, block: CodeBlock, table: CodeTable, k: int,
+                  projected: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference of :func:`search` (blockwise decode, GEMM, running top-k)."""
     nq, n = queries.shape[0], len(block)
     best_values = torch.full((nq, k), float("-inf"), device=queries.device)
     best_rows = torch.full((nq, k), -1, dtype=torch.int64, device=queries.device)

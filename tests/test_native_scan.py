@@ -1,0 +1,171 @@
+"""The native CPU fast-scan kernel (tqvec._fastscan) against the torch reference path.
+
+Both paths compute the same estimates: the native kernel re-scores its candidates exactly with float tables
+(sums in another order than torch's GEMM), so scores agree to float32 rounding of a sum of D terms
+(tolerance 1e-5 relative to the largest score) and ids agree wherever two scores are not within that
+tolerance of each other (ties may swap).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tqvec import Index, TurboQuantizer, _fastscan, scan
+from tqvec.ivf import IVFIndex
+from tqvec.packing import Layout
+
+pytestmark = pytest.mark.skipif(not _fastscan.available(), reason="the native extension is not built")
+
+
+@pytest.fixture
+def kernel():
+    """Run a block under one CPU kernel setting; restores the previous one."""
+    before = _fastscan.cpu_kernel()
+
+    def use(name: str) -> None:
+        _fastscan.set_cpu_kernel(name)
+
+    yield use
+    _fastscan.set_cpu_kernel(before)
+
+
+def _assert_same_results(ref: tuple[np.ndarray, np.ndarray], got: tuple[np.ndarray, np.ndarray]) -> None:
+    (d_ref, i_ref), (d_got, i_got) = ref, got
+    finite = np.isfinite(d_ref)
+    assert np.array_equal(finite, np.isfinite(d_got)) and np.array_equal(i_ref[~finite], i_got[~finite])
+    tol = 1e-5 * max(1.0, float(np.abs(d_ref[finite]).max(initial=0.0)))
+    np.testing.assert_allclose(d_got[finite], d_ref[finite], rtol=0, atol=tol)
+    for q in range(len(i_ref)):
+        for j in np.flatnonzero(i_ref[q] != i_got[q]):  # only a tie may swap ids
+            assert abs(d_ref[q, j] - d_got[q, j]) <= tol
+            others = np.delete(d_ref[q], j)
+            assert np.min(np.abs(others - d_ref[q, j])) <= 2 * tol, (q, j)
+
+
+def _search_both(kernel, index, queries: np.ndarray, k: int, **kw):
+    kernel("torch")
+    ref = index.search(queries, k, **kw)
+    kernel("native")
+    return ref, index.search(queries, k, **kw)
+
+
+def _data(n: int, d: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((n, d)) + rng.standard_normal(d)).astype(np.float32)
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
+@pytest.mark.parametrize("bits,correction", [(1, "auto"), (1.5, "none"), (2, "center"), (2.5, "rescale"),
+                                             (3, "auto"), (3.5, "center"), (4, "none"), (4, "rescale"),
+                                             (4, "center"), (4.5, "auto"), (8, "auto")])
+def test_flat_index_matches_torch(kernel, metric: str, bits: float, correction: str) -> None:
+    """Odd sizes: d = 93 (not a multiple of 8), n = 1,001 (not of 32), with removals."""
+    x, q = _data(1001, 93, seed=1), _data(13, 93, seed=2)
+    index = Index(93, bits, metric, correction=correction, seed=3)
+    index.add(x)
+    index.remove(np.arange(0, 1001, 7))
+    assert scan.native_serves(torch.zeros(1, index.quantizer.rotated_dim), index.quantizer.code_block(
+        index._codes(index._rows.view().tensors)), index.quantizer.table("cpu"))
+    ref, got = _search_both(kernel, index, q, 10)
+    _assert_same_results(ref, got)
+    _assert_same_results(*_search_both(kernel, index, q, 2000))  # k > n pads alike
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
+@pytest.mark.parametrize("encoding", ["residual", "direct"])
+def test_ivf_index_matches_torch(kernel, metric: str, encoding: str) -> None:
+    x, q = _data(3001, 40, seed=4), _data(17, 40, seed=5)
+    index = IVFIndex(40, 24, 3.5, metric, encoding=encoding, seed=6)
+    index.add(x)
+    index.remove(np.arange(0, 3001, 11))
+    for nprobe in (1, 5, 24):
+        _assert_same_results(*_search_both(kernel, index, q, 10, nprobe=nprobe))
+    _assert_same_results(*_search_both(kernel, index, q[:1], 10, nprobe=3))
+
+
+def test_exact_kernel_equals_simd_kernel() -> None:
+    """The scalar kernel (exact float tables for every row) and the AVX2 kernel (8-bit tables, then an exact re-score
+    of the best candidates) return the same rows on 4-, 3-, 2- and 1-bit segments with a straddling tail."""
+    if not _fastscan.simd():
+        pytest.skip("this CPU has no AVX2 + FMA: only the scalar kernel exists")
+    quantizer = TurboQuantizer(67, 2.7, seed=7, rescale=True)
+    codes = quantizer.encode(_data(2000, 67, seed=8))
+    rotated, _ = quantizer.rotate_queries(_data(9, 67, seed=9))
+    plan = quantizer.table("cpu").native_plan()
+    out = {}
+    for simd in (False, True):
+        empty = np.zeros((0, 0))
+        values, rows, name = _fastscan._native.search(
+            codes.packed.numpy(), plan.byte, plan.shift, plan.width, plan.channel, plan.offset, plan.level, rotated.numpy(),
+            codes.scales.numpy(), np.zeros(0, np.float32), np.array([0, len(codes)], np.int64), np.zeros(0, np.int64),
+            empty.astype(np.int64), empty.astype(np.float32), 10, 64, 1, simd)
+        out[name] = (values, rows)
+    _assert_same_results(out["scalar"], out["avx2"])
+
+
+def test_threads_do_not_change_results(kernel) -> None:
+    x, q = _data(5000, 32, seed=10), _data(3, 32, seed=11)
+    index = Index(32, 4, "l2")
+    index.add(x)
+    kernel("native")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = index.search(q, 10)
+        torch.set_num_threads(4)  # three queries, four threads: rows are split across threads too
+        many = index.search(q, 10)
+    finally:
+        torch.set_num_threads(before)
+    assert np.array_equal(one[1], many[1]) and np.array_equal(one[0], many[0])
+
+
+def test_plan_reads_every_code_bit_and_no_padding() -> None:
+    """Each channel is covered by exactly one step, and steps read only the segment's ``dim · bits`` stream bits."""
+    layout = Layout(((5, 4), (9, 3), (3, 2), (6, 1), (3, 7), (2, 0), (4, 8)))
+    plan = _fastscan.plan(layout, torch.randn(len(layout.segments), 256))
+    channels = plan.channel[plan.channel >= 0]
+    starts = np.cumsum([0, *(dim for dim, _ in layout.segments)])
+    coded = [c for (dim, bits), first in zip(layout.segments, starts) if bits for c in range(first, first + dim)]
+    assert sorted(channels.tolist()) == coded  # 0-bit channels decode to 0: no step reads them
+    starts = np.cumsum([0, *layout.segment_bytes])
+    for byte, shift, width, chans in zip(plan.byte, plan.shift, plan.width, plan.channel):
+        segment = int(np.searchsorted(starts, byte, side="right") - 1)
+        dim, bits = layout.segments[segment]
+        first_bit = 8 * (byte - starts[segment]) + shift
+        assert first_bit + width <= dim * bits
+        assert width == bits * int((chans >= 0).sum())
+    assert np.array_equal(np.diff(plan.offset), 1 << plan.width)
+
+
+def test_qjl_signs_fall_back_or_raise(kernel) -> None:
+    x, q = _data(300, 64, seed=12), _data(2, 64, seed=13)
+    for index in (Index(64, 4, "ip", mode="prod"), Index(64, 3, "cosine", mode="prod")):  # QJL signs
+        index.add(x)
+        kernel("auto")
+        auto = index.search(q, 5)
+        kernel("torch")
+        assert np.array_equal(auto[1], index.search(q, 5)[1])
+        kernel("native")
+        with pytest.raises(RuntimeError, match="cannot serve"):
+            index.search(q, 5)
+
+
+def test_missing_extension_falls_back(kernel, monkeypatch) -> None:
+    """Without the compiled module "auto" runs torch and "native" says why it cannot."""
+    x, q = _data(500, 24, seed=14), _data(4, 24, seed=15)
+    index = Index(24, 4, "cosine")
+    index.add(x)
+    kernel("native")
+    native = index.search(q, 10)
+    monkeypatch.setattr(_fastscan, "_native", None)
+    kernel("auto")
+    _assert_same_results(native, index.search(q, 10))
+    kernel("native")
+    with pytest.raises(RuntimeError, match="not built"):
+        index.search(q, 10)
+
+
+def test_bad_kernel_name() -> None:
+    with pytest.raises(ValueError, match="cpu kernel"):
+        _fastscan.set_cpu_kernel("gpu")
