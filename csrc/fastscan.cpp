@@ -19,6 +19,7 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kLut = 16;              // entries of a step table in the SIMD kernel (codes of at most 4 bits)
 constexpr int kFlushSteps = 256;      // 16-bit sums of <= 256 bytes cannot overflow
+constexpr int64_t kQueryGroup = 16;   // queries that share each transposed block (their tables stay in L2)
 
 struct Candidate {
   float score;
@@ -56,27 +57,62 @@ class BestRows {
 // The float tables of one query: lut[offset[t] + c] = sum over step t's channels of query[channel] * level.
 void float_tables(const Plan& plan, const float* query, float* lut) {
   for (int t = 0; t < plan.n_steps; ++t) {
+    const int32_t size = plan.offset[t + 1] - plan.offset[t];
     const int32_t* channel = plan.channel + t * kMaxStepChannels;
-    for (int32_t e = plan.offset[t]; e < plan.offset[t + 1]; ++e) {
-      float sum = 0.0f;
-      for (int j = 0; j < kMaxStepChannels; ++j)
-        if (channel[j] >= 0) sum += query[channel[j]] * plan.level[e * kMaxStepChannels + j];
-      lut[e] = sum;
+    const float* level = plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[t];
+    float* out = lut + plan.offset[t];
+    const float q0 = channel[0] >= 0 ? query[channel[0]] : 0.0f;
+    for (int32_t e = 0; e < size; ++e) out[e] = q0 * level[e];
+    for (int j = 1; j < kMaxStepChannels && channel[j] >= 0; ++j) {
+      const float qj = query[channel[j]];
+      const float* lj = level + j * size;
+      for (int32_t e = 0; e < size; ++e) out[e] += qj * lj[e];
     }
   }
 }
 
-inline int step_code(const uint8_t* row, int32_t byte, int32_t shift, int32_t width) {
-  unsigned bits = row[byte];
-  if (shift + width > 8) bits |= static_cast<unsigned>(row[byte + 1]) << 8;
-  return static_cast<int>((bits >> shift) & ((1u << width) - 1u));
+// The steps as exact scoring reads them: bytes whose two nibbles are two 4-bit steps (most codes of at most 4
+// bits), then the others one at a time.
+struct ExactSteps {
+  struct Pair {
+    int32_t byte, entry;  // low nibble: table entry + (byte & 15); high nibble: entry + 16 + (byte >> 4)
+  };
+  struct Single {
+    int32_t byte, shift, straddle, entry;
+    uint32_t mask;
+  };
+  std::vector<Pair> pairs;
+  std::vector<Single> singles;
+};
+
+ExactSteps exact_steps(const Plan& plan) {
+  ExactSteps steps;
+  for (int t = 0; t < plan.n_steps; ++t) {
+    const int32_t b = plan.byte[t], s = plan.shift[t], w = plan.width[t];
+    if (s == 0 && w == 4 && t + 1 < plan.n_steps && plan.byte[t + 1] == b && plan.shift[t + 1] == 4 && plan.width[t + 1] == 4) {
+      steps.pairs.push_back({b, plan.offset[t]});
+      ++t;
+    } else {
+      steps.singles.push_back({b, s, s + w > 8, plan.offset[t], (1u << w) - 1u});
+    }
+  }
+  return steps;
 }
 
-// Exact inner product of one row with the float tables (steps summed in order).
-inline float exact_dot(const Plan& plan, const float* lut, const uint8_t* row) {
-  float sum = 0.0f;
-  for (int t = 0; t < plan.n_steps; ++t) sum += lut[plan.offset[t] + step_code(row, plan.byte[t], plan.shift[t], plan.width[t])];
-  return sum;
+// Exact inner product of one row with the float tables.
+inline float exact_dot(const ExactSteps& steps, const float* lut, const uint8_t* row) {
+  float low = 0.0f, high = 0.0f;
+  for (const ExactSteps::Pair& p : steps.pairs) {
+    const unsigned byte = row[p.byte];
+    low += lut[p.entry + (byte & 15u)];
+    high += lut[p.entry + 16 + (byte >> 4)];
+  }
+  for (const ExactSteps::Single& s : steps.singles) {
+    unsigned bits = row[s.byte];
+    if (s.straddle) bits |= static_cast<unsigned>(row[s.byte + 1]) << 8;
+    low += lut[s.entry + ((bits >> s.shift) & s.mask)];
+  }
+  return low + high;
 }
 
 inline float finish(const Rows& rows, int64_t r, float dot, float constant) {
@@ -85,12 +121,12 @@ inline float finish(const Rows& rows, int64_t r, float dot, float constant) {
   return scale * dot + bias + constant;
 }
 
-// One unit of work: a query and a slice [probe_begin, probe_end) of its probed groups (or, for a single
-// contiguous group, a slice of its rows).
+// One unit of work: a group of queries and a slice [probe_begin, probe_end) of their probed groups (or, for a
+// single contiguous group, a slice of its rows).
 struct Work {
-  int64_t query;
+  int64_t query, query_end;    // queries [query, query_end) scan the same rows (several only without probe)
   int64_t probe_begin, probe_end;
-  int64_t row_begin, row_end;  // used when the query scans one contiguous group split across workers
+  int64_t row_begin, row_end;  // used when the queries scan one contiguous group split across workers
 };
 
 // Calls f(row, position) for the rows at positions [lo, hi) of the groups' row order.
@@ -122,14 +158,17 @@ std::vector<GroupSpan> spans_of(const SearchArgs& a, const Work& w) {
 }
 
 // ------------------------------------------------------------------------------------------ scalar kernel
-void scan_exact(const SearchArgs& a, const Work& w, const float* lut, BestRows& best) {
+void scan_exact(const SearchArgs& a, const ExactSteps& steps, const Work& w, const float* lut, BestRows& best) {
   for (const GroupSpan& s : spans_of(a, w)) {
     for_rows(a.groups, s.lo, s.hi, [&](int64_t r, int64_t) {
-      const float dot = exact_dot(a.plan, lut, a.rows.packed + r * a.rows.row_bytes);
+      const float dot = exact_dot(steps, lut, a.rows.packed + r * a.rows.row_bytes);
       best.push(finish(a.rows, r, dot, s.constant), r, s.constant);
     });
   }
 }
+
+// Size of one query's float tables.
+inline size_t table_entries(const Plan& plan) { return static_cast<size_t>(plan.offset[plan.n_steps]); }
 
 #ifdef TQVEC_X86
 // ------------------------------------------------------------------------------------------ AVX2 kernel
@@ -142,24 +181,26 @@ struct QuantizedTables {
 // 8-bit tables with one scale for all steps (the sum must share it) and one offset per step.
 void quantize_tables(const Plan& plan, const float* lut, QuantizedTables& q) {
   q.lut.assign(static_cast<size_t>(plan.n_steps) * kLut, 0);
-  std::vector<float> low(plan.n_steps);
   float span = 0.0f;
   double offset = 0.0;
   for (int t = 0; t < plan.n_steps; ++t) {
-    const int used = 1 << plan.width[t];
     const float* row = lut + plan.offset[t];
-    const float lo = *std::min_element(row, row + used), hi = *std::max_element(row, row + used);
-    low[t] = lo;
+    float lo = row[0], hi = row[0];
+    for (int c = 1, used = 1 << plan.width[t]; c < used; ++c) {
+      lo = std::min(lo, row[c]);
+      hi = std::max(hi, row[c]);
+    }
     offset += lo;
     span = std::max(span, hi - lo);
   }
   const float scale = span > 0.0f ? 255.0f / span : 0.0f;
   for (int t = 0; t < plan.n_steps; ++t) {
+    const float* row = lut + plan.offset[t];
+    float lo = row[0];
     const int used = 1 << plan.width[t];
-    for (int c = 0; c < used; ++c) {
-      const float v = std::nearbyint((lut[plan.offset[t] + c] - low[t]) * scale);
-      q.lut[t * kLut + c] = static_cast<uint8_t>(std::min(255.0f, std::max(0.0f, v)));
-    }
+    for (int c = 1; c < used; ++c) lo = std::min(lo, row[c]);
+    uint8_t* out = q.lut.data() + t * kLut;
+    for (int c = 0; c < used; ++c) out[c] = static_cast<uint8_t>(std::min(255.0f, (row[c] - lo) * scale + 0.5f));
   }
   q.inv_scale = scale > 0.0f ? 1.0f / scale : 0.0f;
   q.offset = static_cast<float>(offset);
@@ -345,20 +386,26 @@ struct RowSource {
   }
 };
 
-__attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Work& w, const float* lut, BestRows& best,
-                                               Scratch& scratch, const RowSource& source, const StepOps& ops) {
-  QuantizedTables q;
-  quantize_tables(a.plan, lut, q);
-  std::vector<Lut32> luts(a.plan.n_steps);
-  for (int t = 0; t < a.plan.n_steps; ++t) {
-    std::memcpy(luts[t].bytes, q.lut.data() + t * kLut, kLut);
-    std::memcpy(luts[t].bytes + kLut, q.lut.data() + t * kLut, kLut);
+// Scans the rows of work item `w` for each of its queries (tables `luts`, one table set per query): each block
+// of 32 rows is transposed once and looked up for every query of the group.
+__attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Work& w, const float* luts,
+                                                   std::vector<BestRows>& best, Scratch& scratch, const RowSource& source,
+                                                   const StepOps& ops) {
+  const int64_t group = w.query_end - w.query;
+  std::vector<QuantizedTables> q(group);
+  std::vector<Lut32> tables(static_cast<size_t>(group * a.plan.n_steps));
+  for (int64_t j = 0; j < group; ++j) {
+    quantize_tables(a.plan, luts + j * table_entries(a.plan), q[j]);
+    for (int t = 0; t < a.plan.n_steps; ++t) {
+      Lut32& lut = tables[j * a.plan.n_steps + t];
+      std::memcpy(lut.bytes, q[j].lut.data() + t * kLut, kLut);
+      std::memcpy(lut.bytes + kLut, q[j].lut.data() + t * kLut, kLut);
+    }
   }
   const uint8_t* rows[kRowsPerBlock];
   int64_t ids[kRowsPerBlock];
-  alignas(32) float scale[kRowsPerBlock], shift[kRowsPerBlock], constant[kRowsPerBlock];
+  alignas(32) float scale[kRowsPerBlock], shift[kRowsPerBlock], score[kRowsPerBlock];
   alignas(32) uint32_t sums[kRowsPerBlock];
-  const __m256 inv_scale = _mm256_set1_ps(q.inv_scale), offset = _mm256_set1_ps(q.offset);
   for (const GroupSpan& s : spans_of(a, w)) {
     for (int64_t start = s.lo; start < s.hi; start += kRowsPerBlock) {
       const int filled = static_cast<int>(std::min<int64_t>(kRowsPerBlock, s.hi - start));
@@ -375,17 +422,20 @@ __attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Wo
         shift[i] = kNegInf;  // never passes the threshold test
       }
       transpose_rows(rows, scratch.chunks, scratch.block);
-      block_sums(scratch.block, ops, luts.data(), sums);
-      const __m256 threshold = _mm256_set1_ps(best.threshold());
-      for (int g = 0; g < kRowsPerBlock; g += 8) {
-        const __m256 dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(load32(sums + g)), inv_scale, offset);
-        const __m256 score = _mm256_fmadd_ps(dot, _mm256_load_ps(scale + g), _mm256_load_ps(shift + g));
-        _mm256_store_ps(constant + g, score);
-        int passing = _mm256_movemask_ps(_mm256_cmp_ps(score, threshold, _CMP_GT_OQ));
-        while (passing) {
-          const int i = g + __builtin_ctz(passing);
-          passing &= passing - 1;
-          best.push(constant[i], ids[i], s.constant);
+      for (int64_t j = 0; j < group; ++j) {
+        block_sums(scratch.block, ops, tables.data() + j * a.plan.n_steps, sums);
+        const __m256 inv_scale = _mm256_set1_ps(q[j].inv_scale), offset = _mm256_set1_ps(q[j].offset);
+        const __m256 threshold = _mm256_set1_ps(best[j].threshold());
+        for (int g = 0; g < kRowsPerBlock; g += 8) {
+          const __m256 dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(load32(sums + g)), inv_scale, offset);
+          const __m256 value = _mm256_fmadd_ps(dot, _mm256_load_ps(scale + g), _mm256_load_ps(shift + g));
+          _mm256_store_ps(score + g, value);
+          int passing = _mm256_movemask_ps(_mm256_cmp_ps(value, threshold, _CMP_GT_OQ));
+          while (passing) {
+            const int i = g + __builtin_ctz(passing);
+            passing &= passing - 1;
+            best[j].push(score[i], ids[i], s.constant);
+          }
         }
       }
     }
@@ -405,6 +455,19 @@ void write_best(int64_t k, std::vector<Candidate>& cands, float* values, int64_t
   }
 }
 
+// Runs f(begin, end) over [0, n) split in contiguous ranges on up to `threads` threads (inline for one).
+template <class F>
+void parallel_for(size_t n, int threads, F&& f) {
+  const size_t workers = std::min<size_t>(static_cast<size_t>(std::max(1, threads)), n);
+  if (workers <= 1) {
+    f(size_t{0}, n);
+    return;
+  }
+  std::vector<std::thread> pool;
+  for (size_t t = 0; t < workers; ++t) pool.emplace_back(f, n * t / workers, n * (t + 1) / workers);
+  for (auto& th : pool) th.join();
+}
+
 }  // namespace
 
 bool has_avx2() {
@@ -419,17 +482,19 @@ const char* search(const SearchArgs& a, bool allow_simd) {
   const bool narrow = std::all_of(a.plan.width, a.plan.width + a.plan.n_steps, [](int32_t w) { return w <= 4; });
   const bool simd = allow_simd && narrow && has_avx2() && a.rescore > 0;
   const int threads = std::max(1, a.threads);
-  // Work items: queries, each split into `parts` slices when there are fewer queries than threads.
-  const int64_t parts = a.nq >= threads ? 1 : std::max<int64_t>(1, threads / std::max<int64_t>(1, a.nq));
-  const bool split_rows = a.groups.n_probe == 1;  // one group (flat): split its rows; else split the probes
+  const bool flat = a.groups.probe == nullptr;  // every query scans the one group
+  // Work items: without probe, groups of up to kQueryGroup queries share each transposed block, and when there
+  // are too few groups for the threads the rows are split too; with probe, one query per item, its probed
+  // groups split across items when there are fewer queries than threads.
+  const int64_t group = flat && simd ? std::min<int64_t>(kQueryGroup, std::max<int64_t>(1, a.nq / threads)) : 1;
+  const int64_t items = (a.nq + group - 1) / group;
+  const int64_t parts = items >= threads ? 1 : std::max<int64_t>(1, threads / std::max<int64_t>(1, items));
   std::vector<Work> work;
-  for (int64_t q = 0; q < a.nq; ++q) {
+  for (int64_t q = 0; q < a.nq; q += group) {
     for (int64_t p = 0; p < parts; ++p) {
-      Work w{q, 0, a.groups.n_probe, 0, 0};
-      if (parts > 1 && split_rows) {
-        const int64_t group = a.groups.probe ? a.groups.probe[q * a.groups.n_probe] : 0;
-        if (group < 0 || group >= a.groups.n_groups) continue;
-        const int64_t lo = a.groups.offsets[group], hi = a.groups.offsets[group + 1];
+      Work w{q, std::min(a.nq, q + group), 0, a.groups.n_probe, 0, 0};
+      if (parts > 1 && flat) {
+        const int64_t lo = a.groups.offsets[0], hi = a.groups.offsets[1];
         w.row_begin = lo + (hi - lo) * p / parts;
         w.row_end = lo + (hi - lo) * (p + 1) / parts;
         if (w.row_end <= w.row_begin) continue;
@@ -442,7 +507,8 @@ const char* search(const SearchArgs& a, bool allow_simd) {
     }
   }
   const int64_t keep = simd ? std::max(a.k, a.rescore) : a.k;
-  std::vector<std::vector<Candidate>> found(work.size());
+  const ExactSteps exact = exact_steps(a.plan);
+  std::vector<std::vector<std::vector<Candidate>>> found(work.size());  // per item, per query of the item
 
 #ifdef TQVEC_X86
   const StepOps ops = simd ? step_ops(a.plan) : StepOps{};
@@ -454,57 +520,51 @@ const char* search(const SearchArgs& a, bool allow_simd) {
   const RowSource source{a.rows, a.rows.n - unsafe, tail.data()};
 #endif
 
-  auto run = [&](size_t begin, size_t end) {
-    std::vector<float> lut(static_cast<size_t>(a.plan.offset[a.plan.n_steps]));
+  auto scan_items = [&](size_t begin, size_t end) {
+    std::vector<float> luts(table_entries(a.plan) * static_cast<size_t>(group));
 #ifdef TQVEC_X86
     Scratch scratch(a.rows);
 #endif
-    int64_t lut_query = -1;
     for (size_t i = begin; i < end; ++i) {
       const Work& w = work[i];
-      if (w.query != lut_query) {
-        float_tables(a.plan, a.queries + w.query * a.dim, lut.data());
-        lut_query = w.query;
-      }
-      BestRows best(keep);
+      for (int64_t q = w.query; q < w.query_end; ++q)
+        float_tables(a.plan, a.queries + q * a.dim, luts.data() + (q - w.query) * table_entries(a.plan));
+      std::vector<BestRows> best(static_cast<size_t>(w.query_end - w.query), BestRows(keep));
 #ifdef TQVEC_X86
       if (simd) {
-        scan_avx2(a, w, lut.data(), best, scratch, source, ops);
+        scan_avx2(a, w, luts.data(), best, scratch, source, ops);
       } else {
-        scan_exact(a, w, lut.data(), best);
+        scan_exact(a, exact, w, luts.data(), best[0]);
       }
 #else
-      scan_exact(a, w, lut.data(), best);
+      scan_exact(a, exact, w, luts.data(), best[0]);
 #endif
-      found[i] = std::move(best.items());
+      for (BestRows& b : best) found[i].push_back(std::move(b.items()));
     }
   };
-  const size_t n_threads = std::min<size_t>(static_cast<size_t>(threads), work.size());
-  if (n_threads <= 1) {
-    run(0, work.size());
-  } else {
-    std::vector<std::thread> pool;
-    for (size_t t = 0; t < n_threads; ++t)
-      pool.emplace_back(run, work.size() * t / n_threads, work.size() * (t + 1) / n_threads);
-    for (auto& th : pool) th.join();
-  }
-
-  // Merge the parts of each query; with SIMD, re-score the candidates exactly.
-  std::vector<float> lut(static_cast<size_t>(a.plan.offset[a.plan.n_steps]));
-  size_t i = 0;
-  for (int64_t q = 0; q < a.nq; ++q) {
-    std::vector<Candidate> cands;
-    while (i < work.size() && work[i].query == q) {
-      cands.insert(cands.end(), found[i].begin(), found[i].end());
-      ++i;
+  // Merge the items of each query; with SIMD, re-score the candidates exactly.
+  std::vector<size_t> first_item(static_cast<size_t>(a.nq) + 1, work.size());
+  for (size_t i = work.size(); i-- > 0;)
+    for (int64_t q = work[i].query; q < work[i].query_end; ++q) first_item[q] = i;
+  auto merge_queries = [&](size_t begin, size_t end) {
+    std::vector<float> lut(table_entries(a.plan));
+    for (size_t q = begin; q < end; ++q) {
+      std::vector<Candidate> cands;
+      for (size_t i = first_item[q]; i < work.size() && work[i].query <= static_cast<int64_t>(q); ++i)
+        if (static_cast<int64_t>(q) < work[i].query_end) {
+          const auto& part = found[i][q - work[i].query];
+          cands.insert(cands.end(), part.begin(), part.end());
+        }
+      if (simd && !cands.empty()) {
+        float_tables(a.plan, a.queries + q * a.dim, lut.data());
+        for (Candidate& c : cands)
+          c.score = finish(a.rows, c.row, exact_dot(exact, lut.data(), a.rows.packed + c.row * a.rows.row_bytes), c.constant);
+      }
+      write_best(a.k, cands, a.out_values + q * a.k, a.out_rows + q * a.k);
     }
-    if (simd && !cands.empty()) {
-      float_tables(a.plan, a.queries + q * a.dim, lut.data());
-      for (Candidate& c : cands)
-        c.score = finish(a.rows, c.row, exact_dot(a.plan, lut.data(), a.rows.packed + c.row * a.rows.row_bytes), c.constant);
-    }
-    write_best(a.k, cands, a.out_values + q * a.k, a.out_rows + q * a.k);
-  }
+  };
+  parallel_for(work.size(), threads, scan_items);
+  parallel_for(static_cast<size_t>(a.nq), threads, merge_queries);
   return simd ? "avx2" : "scalar";
 }
 

@@ -27,7 +27,8 @@ struct Plan {
   const int32_t* width;     // (n_steps,) 1..8
   const int32_t* channel;   // (n_steps, kMaxStepChannels), -1 where unused
   const int32_t* offset;    // (n_steps + 1,): step t's table is entries [offset[t], offset[t + 1]), 2^width of them
-  const float* level;       // (offset[n_steps], kMaxStepChannels): level of each covered channel per table entry
+  const float* level;       // (kMaxStepChannels * offset[n_steps],): step t's block at kMaxStepChannels * offset[t] is
+                            // (kMaxStepChannels, 2^width): the level of each covered channel per table entry
 };
 
 struct Rows {

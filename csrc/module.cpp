@@ -28,7 +28,7 @@ void require(bool ok, const std::string& message) {
 nb::tuple search(Array<uint8_t, nb::ndim<2>> packed, Array<int32_t, nb::ndim<1>> step_byte,
                  Array<int32_t, nb::ndim<1>> step_shift, Array<int32_t, nb::ndim<1>> step_width,
                  Array<int32_t, nb::ndim<2>> step_channel, Array<int32_t, nb::ndim<1>> step_offset,
-                 Array<float, nb::ndim<2>> step_level,
+                 Array<float, nb::ndim<1>> step_level,
                  Array<float, nb::ndim<2>> queries, Array<float> scale, Array<float> bias,
                  Array<int64_t, nb::ndim<1>> offsets, Array<int64_t> list_rows, Array<int64_t> probe,
                  Array<float> probe_constant, int64_t k, int64_t rescore, int threads, bool allow_simd) {
@@ -38,8 +38,8 @@ nb::tuple search(Array<uint8_t, nb::ndim<2>> packed, Array<int32_t, nb::ndim<1>>
   require(step_shift.shape(0) == steps && step_width.shape(0) == steps, "step arrays differ in length");
   require(step_channel.shape(0) == steps && step_channel.shape(1) == tqvec::kMaxStepChannels, "step_channel must be (steps, 4)");
   require(step_offset.shape(0) == steps + 1 && step_offset.data()[0] == 0, "step_offset must be (steps + 1,) from 0");
-  require(step_level.shape(1) == tqvec::kMaxStepChannels &&
-              step_level.shape(0) == static_cast<size_t>(step_offset.data()[steps]), "step_level must be (entries, 4)");
+  require(step_level.shape(0) == tqvec::kMaxStepChannels * static_cast<size_t>(step_offset.data()[steps]),
+          "step_level must hold 4 levels per table entry");
   for (size_t t = 0; t < steps; ++t) {
     const int32_t b = step_byte.data()[t], s = step_shift.data()[t], w = step_width.data()[t];
     require(w >= 1 && w <= 8 && s >= 0 && s < 8 && b >= 0 && b + (s + w > 8 ? 1 : 0) < row_bytes, "step outside the row");
@@ -47,6 +47,8 @@ nb::tuple search(Array<uint8_t, nb::ndim<2>> packed, Array<int32_t, nb::ndim<1>>
     for (int j = 0; j < tqvec::kMaxStepChannels; ++j) {
       const int32_t c = step_channel.data()[t * tqvec::kMaxStepChannels + j];
       require(c >= -1 && c < dim, "step channel outside the query");
+      require(j == 0 || c == -1 || step_channel.data()[t * tqvec::kMaxStepChannels + j - 1] >= 0,
+              "a step's channels must fill its first slots");
     }
   }
   require(scale.size() == 0 || scale.size() == static_cast<size_t>(n), "scale must have one entry per row");

@@ -29,9 +29,9 @@ except ImportError:  # the extension was not built (no compiler at install time)
 
 CPU_KERNELS = ("auto", "native", "torch")
 #: candidates re-scored exactly: at least this many ...
-RESCORE_MIN = 64
+RESCORE_MIN = 32
 #: ... and this many per result
-RESCORE_PER_RESULT = 4
+RESCORE_PER_RESULT = 2
 _setting = {"kernel": os.environ.get("TQVEC_CPU_KERNEL", "auto")}
 
 
@@ -73,8 +73,9 @@ def rescore_count(k: int) -> int:
 class Plan:
     """The kernel's reading of one layout. Step ``t`` reads a ``width[t]``-bit code at bit ``shift[t]`` of byte
     ``byte[t]`` (continuing into the next byte where it straddles) and covers query channels ``channel[t]`` (−1
-    unused, at most 4); its table is entries ``offset[t] : offset[t + 1]`` of ``level``, which holds the level of
-    each covered channel for every code value ``(entries, 4)``."""
+    unused, at most 4); its table has ``offset[t + 1] − offset[t] = 2^width[t]`` entries, and
+    ``level[4·offset[t] : 4·offset[t + 1]]`` holds, as a ``(4, 2^width)`` block, the level of each covered channel
+    for every code value (zeros for unused slots)."""
 
     byte: np.ndarray
     shift: np.ndarray
@@ -114,8 +115,9 @@ def plan(layout: Layout, levels: torch.Tensor) -> Plan:
         channel[t, : len(step[3])] = step[3]
     sizes = [len(step[4]) for step in steps]
     column = lambda i: np.array([step[i] for step in steps], dtype=np.int32)  # noqa: E731
+    blocks = [np.ascontiguousarray(step[4].T).ravel() for step in steps]  # (4, 2^width) per step
     return Plan(column(0), column(1), column(2), channel, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32),
-                np.concatenate([step[4] for step in steps]) if steps else np.zeros((0, 4), np.float32))
+                np.concatenate(blocks) if blocks else np.zeros(0, np.float32))
 
 
 @dataclass(frozen=True)
@@ -129,11 +131,18 @@ class Groups:
     constant: np.ndarray  # (nq, nprobe) float32
 
 
+_NONE = {np.dtype(np.float32): np.zeros(0, np.float32), np.dtype(np.int64): np.zeros(0, np.int64)}
+_NO_PROBE = np.zeros((0, 0), np.int64), np.zeros((0, 0), np.float32)
+
+
 def _array(t: torch.Tensor | None, dtype: type) -> np.ndarray:
-    """A C-contiguous numpy view (or copy) of ``t`` as ``dtype``; an empty array stands for None."""
+    """A C-contiguous numpy view (a copy only where needed) of ``t`` as ``dtype``; an empty array stands for None."""
     if t is None:
-        return np.zeros(0, dtype)
-    return np.ascontiguousarray(t.detach().cpu().numpy(), dtype=dtype)
+        return _NONE[np.dtype(dtype)]
+    if t.device.type != "cpu" or t.requires_grad:
+        t = t.detach().cpu()
+    array = t.numpy()
+    return array if array.dtype == dtype and array.flags.c_contiguous else np.ascontiguousarray(array, dtype=dtype)
 
 
 def search(queries: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
@@ -151,12 +160,13 @@ def search(queries: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | No
     """
     if _native is None:
         raise RuntimeError("the native CPU kernel is not built: reinstall tqvec with a C++17 compiler present")
-    n = packed.shape[0]
+    n, nq = packed.shape[0], queries.shape[0]
+    if n == 0:
+        return torch.full((nq, k), float("-inf")), torch.full((nq, k), -1, dtype=torch.int64)
     if groups is None:
-        groups = Groups(np.array([0, n], np.int64), np.zeros(0, np.int64), np.zeros((0, 0), np.int64),
-                        np.zeros((0, 0), np.float32))
+        groups = Groups(np.array([0, n], np.int64), _NONE[np.dtype(np.int64)], *_NO_PROBE)
     values, rows, _ = _native.search(
-        _array(packed, np.uint8).reshape(n, -1), steps.byte, steps.shift, steps.width, steps.channel, steps.offset,
+        _array(packed, np.uint8), steps.byte, steps.shift, steps.width, steps.channel, steps.offset,
         steps.level,
         _array(queries, np.float32), _array(scale, np.float32), _array(bias, np.float32), groups.offsets,
         groups.rows, groups.probe, groups.constant, int(k), rescore_count(k), max(1, torch.get_num_threads()), True)

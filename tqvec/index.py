@@ -486,7 +486,7 @@ class Index(CodedRows):
         center = self._center
         shifted = q if center is None else q - center
         constant = torch.zeros(q.shape[0], device=q.device) if center is None else q @ center - center @ center
-        rotated, projected = self.quantizer.rotate_queries(shifted)
+        rotated, projected = self.quantizer.rotate_checked(shifted)
         if not published.scoring:
             published.scoring.append(self.quantizer.code_block(*self._side(live.tensors)))
         block = published.scoring[0]
@@ -509,7 +509,7 @@ class Index(CodedRows):
         t = {k: v[rows] for k, v in live.tensors.items()}
         center = self._center
         shifted = q if center is None else q - center
-        rotated, projected = self.quantizer.rotate_queries(shifted)
+        rotated, projected = self.quantizer.rotate_checked(shifted)
         codes, bias = self._side(t)
         values = scan.scores(rotated, self.quantizer.code_block(codes, bias), self.quantizer.table(self.device), projected)
         if center is not None:
@@ -522,7 +522,7 @@ class Index(CodedRows):
                 k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rescore candidate ``rows`` ``(nq, R·k)`` with the fine code; keep the best ``k`` per query."""
         fq = self.fine_quantizer
-        rotated, _ = fq.rotate_queries(shifted)
+        rotated, _ = fq.rotate_checked(shifted)
         flat = rows.clamp_min(0).reshape(-1)
         levels = scan.dequantize(live.tensors["fine_packed"][flat], fq.table(self.device)).view(*rows.shape, -1)
         values = torch.einsum("qd,qcd->qc", rotated, levels) * live.tensors["fine_scale"][flat].view(rows.shape)

@@ -444,7 +444,7 @@ class IVFIndex(CodedRows):
             constant = qc
         else:  # one base for every list
             constant = (torch.zeros(nq, 1, device=q.device) if center is None else (q @ center)[:, None]).expand(-1, self.nlist)
-        rotated, projected = self.quantizer.rotate_queries(q)
+        rotated, projected = self.quantizer.rotate_checked(q)
         if "block" not in snap.cache:  # side fields widened once per snapshot
             coded = {name: t for name, t in snap.tensors.items() if not name.startswith("fine")}
             snap.cache["block"] = self.quantizer.code_block(self._codes(coded), coded["bias"].float() if "bias" in coded else None)

@@ -374,7 +374,10 @@ class TurboQuantizer:
     # ------------------------------------------------------------------ scoring
     def rotate_queries(self, queries: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rotated queries ``Πq`` ``(nq, D)`` and, in ``prod`` mode, their QJL projections ``SΠq``."""
-        q = as_float_matrix(queries, self.dim, "queries")
+        return self.rotate_checked(as_float_matrix(queries, self.dim, "queries"))
+
+    def rotate_checked(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`rotate_queries` for queries already checked by :func:`~tqvec.validation.as_float_matrix`."""
         rotated = self.rotation.forward(q, rowwise=False)  # queries are never stored: the faster product
         projected = rotated @ self.qjl_matrix(q.device).T if self.mode == "prod" else None
         return rotated, projected
