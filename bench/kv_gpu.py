@@ -15,14 +15,14 @@ import itertools
 import json
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from tqvec.kv import TurboQuantCache, TurboQuantLayer
 from tqvec import scan
+from tqvec.kv import TurboQuantCache, TurboQuantLayer
 from tqvec.kv.attention import compressed_attention, decode_step
 from tqvec.kv.codec import HeadCodec
 

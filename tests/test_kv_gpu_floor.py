@@ -6,9 +6,9 @@ import functools
 
 import pytest
 import torch
+from kernel_env import KERNEL_DEVICE, needs_kernels
 
 from tqvec.bench.kv_gpu_floor import fold
-from conftest import KERNEL_DEVICE, needs_kernels
 from tqvec.kernels.unpack import nibble_pair_asm
 from tqvec.kv.codec import HeadCodec
 

@@ -35,6 +35,7 @@ from tqvec.kv import TurboQuantCache, TurboQuantLayer  # noqa: E402
 from tqvec.kv import evaluate as ev  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytestmark = pytest.mark.model
 TOLERANCES = {  # bits: (max ppl ratio, max KL nats, min top-1 agreement)
     4: (1.01, 0.02, 0.93),
     3.5: (1.03, 0.05, 0.90),

@@ -10,8 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tqvec.packing import (Layout, layout_for_bytes, pack, pack_signs, read_tail, split_channels, unpack,
-                           unpack_signs, write_tail)
+from tqvec.packing import Layout, layout_for_bytes, pack, pack_signs, read_tail, split_channels, unpack, unpack_signs, write_tail
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
