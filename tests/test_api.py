@@ -105,3 +105,12 @@ def test_cli_lists_every_benchmark_and_the_demo(capsys: pytest.CaptureFixture[st
     for module, function, _ in BENCHMARKS.values():
         assert callable(getattr(importlib.import_module(module), function)), module
     assert cli_main(["bench", "no-such-benchmark"]) == 2
+
+
+def test_load_docstring_example_runs() -> None:
+    import doctest
+
+    import tqvec.files
+
+    result = doctest.testmod(tqvec.files, raise_on_error=False)
+    assert result.attempted >= 5 and result.failed == 0
