@@ -25,6 +25,7 @@ def test_recall_at_10() -> None:
     assert demo.recall_at_10(np.array([[0, 1, 2, 3, 4, 50, 51, 52, 53, 54], truth[1]]), truth) == 0.75
 
 
+@pytest.mark.slow  # GloVe load, exact top-10 and four builds
 def test_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["demo", "--n", "3000", "--queries", "40", "--bits", "4", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out

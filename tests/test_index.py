@@ -70,6 +70,7 @@ def _knn_recall_with_slack(found_scores: np.ndarray, true_scores: np.ndarray, ep
     return float(np.mean((1 - found_scores) <= threshold))
 
 
+@pytest.mark.slow  # over 10 s on a busy 2-core machine
 def test_eight_bits_recall_on_kjv(kjv384: np.ndarray) -> None:
     """8 bits on real MiniLM embeddings: the committed KJV slice, its last 200 rows as queries, exact top-10."""
     base, queries = kjv384[:-200], kjv384[-200:]
@@ -96,6 +97,7 @@ def test_eight_bits_recall_on_glove(glove50: np.ndarray) -> None:
     assert _knn_recall_with_slack(np.take_along_axis(exact, I, axis=1), true_scores) >= 0.99
 
 
+@pytest.mark.slow  # over 10 s on a busy 2-core machine
 def test_budget_is_exact_and_reported() -> None:
     for dim, bits in [(384, 1), (50, 1), (50, 3), (128, 2.5), (100, 4)]:
         for metric in ("ip", "l2", "cosine"):
