@@ -1,5 +1,5 @@
 # `make run`: the quick demo (tqvec beside FAISS on GloVe-50, a few minutes); `make bench`: the full comparison;
-# `make test`: lint and the whole test suite (what CI runs); `make test-fast`: without slow and model tests.
+# `make test`: lint and the whole test suite (what CI runs); `make test-fast`: without slow, model and gpu tests.
 # Each creates .venv first if missing (`make install`).
 PYTHON ?= python3
 VENV := .venv
@@ -37,7 +37,7 @@ test: lint
 	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
 
 test-fast: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow and not model" tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow and not model and not gpu" tests
 
 clean-venv:
 	rm -rf $(VENV)

@@ -13,6 +13,8 @@ from tqvec.kv.codec import HeadCodec
 kernels = pytest.importorskip("tqvec.kernels.attention")
 from kernel_env import KERNEL_DEVICE  # noqa: E402
 
+pytestmark = pytest.mark.gpu
+
 from tqvec.kernels import unpack  # noqa: E402
 
 

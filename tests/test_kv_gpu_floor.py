@@ -17,6 +17,7 @@ def _xor(values: torch.Tensor) -> int:
     return functools.reduce(lambda a, b: a ^ b, values.tolist(), 0)
 
 
+@pytest.mark.gpu
 @needs_kernels
 @pytest.mark.parametrize("programs", [1, 3, 7])
 @pytest.mark.parametrize("decode", [False, True])
