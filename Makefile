@@ -1,4 +1,6 @@
-# Two set-up commands: `make run` (main job) and `make test` (the test suite). Both create .venv if missing.
+# `make run`: the quick demo (tqvec beside FAISS on GloVe-50, a few minutes); `make bench`: the full comparison;
+# `make test`: lint and the whole test suite (what CI runs); `make test-fast`: without slow, model and gpu tests.
+# Each creates .venv first if missing (`make install`).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -6,7 +8,7 @@ STAMP := $(VENV)/.tqvec-installed
 DATASET ?= glove-50-angular
 BITS ?= 1 2 3 4
 
-.PHONY: run test install distortion clean-venv
+.PHONY: run bench test test-fast lint install distortion clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,13 +22,22 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 run: $(STAMP)
+	$(VENV)/bin/tqvec demo --out build/demo
+
+bench: $(STAMP)
 	$(VENV)/bin/tqvec bench ann --dataset $(DATASET) --bits $(BITS)
 
 distortion: $(STAMP)
 	$(VENV)/bin/tqvec bench distortion
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: lint
 	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow and not model and not gpu" tests
 
 clean-venv:
 	rm -rf $(VENV)

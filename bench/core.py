@@ -1,7 +1,7 @@
 """Core benchmarks of issue 2: CPU encode throughput beside FAISS, and distortion vs theory on real data.
 
-    python -m bench.core encode        # 100,000 × 128 seeded Gaussian, tqvec vs FAISS PQ / SQ
-    python -m bench.core distortion    # GloVe-50 and KJV-384: measured MSE and inner-product error vs theory
+    python -m tqvec.bench.core encode        # 100,000 × 128 seeded Gaussian, tqvec vs FAISS PQ / SQ
+    python -m tqvec.bench.core distortion    # GloVe-50 and KJV-384: measured MSE and inner-product error vs theory
 
 Each writes ``bench/results/core_<name>.{json,md}`` (the md starts with the command that produced it)
 and prints the markdown table.
@@ -73,7 +73,7 @@ DATASETS: dict[str, Callable[[int, int], np.ndarray]] = {"glove-50": load_glove5
 def command_line() -> str:
     """The command that is running, as a user would type it."""
     prog = Path(sys.argv[0]).name
-    head = ["tqvec"] if prog == "tqvec" else [".venv/bin/python", "-m", "bench.core"]
+    head = ["tqvec"] if prog == "tqvec" else [".venv/bin/python", "-m", "tqvec.bench.core"]
     return shlex.join(head + sys.argv[1:])
 
 
@@ -135,7 +135,7 @@ def encode_main(argv: list[str] | None = None) -> None:
     """CPU encode throughput of tqvec vs FAISS IndexPQ (train+add) and IndexScalarQuantizer (add)."""
     import faiss  # noqa: PLC0415
 
-    parser = argparse.ArgumentParser(prog="bench.core encode", description=encode_main.__doc__)
+    parser = argparse.ArgumentParser(prog="tqvec.bench.core encode", description=encode_main.__doc__)
     parser.add_argument("--n", type=int, default=100_000)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--bits", type=int, nargs="+", default=[2, 4], choices=[2, 4])
@@ -209,7 +209,7 @@ def paired_inner_products(quantizer: TurboQuantizer, queries: np.ndarray, x: np.
 
 def distortion_main(argv: list[str] | None = None) -> None:
     """Measured reconstruction MSE and inner-product error vs theory on GloVe-50 and KJV-384."""
-    parser = argparse.ArgumentParser(prog="bench.core distortion", description=distortion_main.__doc__)
+    parser = argparse.ArgumentParser(prog="tqvec.bench.core distortion", description=distortion_main.__doc__)
     parser.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))
     parser.add_argument("--bits", type=float, nargs="+", default=list(DISTORTION_BITS))
     parser.add_argument("--rotations", nargs="+", default=["haar", "hadamard"], choices=["haar", "hadamard"])
@@ -282,11 +282,11 @@ def distortion_main(argv: list[str] | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m bench.core {encode,distortion} [options]``."""
+    """``python -m tqvec.bench.core {encode,distortion} [options]``."""
     argv = sys.argv[1:] if argv is None else argv
     commands = {"encode": encode_main, "distortion": distortion_main}
     if not argv or argv[0] not in commands:
-        raise SystemExit(f"usage: python -m bench.core {{{','.join(commands)}}} [options] (-h for help)")
+        raise SystemExit(f"usage: python -m tqvec.bench.core {{{','.join(commands)}}} [options] (-h for help)")
     commands[argv[0]](argv[1:])
 
 

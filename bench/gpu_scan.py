@@ -6,9 +6,9 @@ bf16 (the exact search a user would write, query-chunked so one score block stay
 of both against exact float32 top-10 (first 100 queries), bytes read per second against a measured
 device-to-device copy, and encode throughput (rotation GEMM + ``ops.encode``).
 
-    python bench/gpu_scan.py --out bench/results          # the table (gpu_scan.json / gpu_scan.md)
-    python bench/gpu_scan.py --check --sweep              # GPU correctness check and tile sweep only
-    python bench/gpu_scan.py --topk --out DIR             # torch.topk vs Triton top-k, per stage (gpu_topk.*)
+    tqvec bench gpu-scan --out bench/results          # the table (gpu_scan.json / gpu_scan.md)
+    tqvec bench gpu-scan --check --sweep              # GPU correctness check and tile sweep only
+    tqvec bench gpu-scan --topk --out DIR             # torch.topk vs Triton top-k, per stage (gpu_topk.*)
 
 Times are medians of CUDA-event timed calls, with the L2 cache flushed before each call.
 """
@@ -436,7 +436,8 @@ def topk_compare(out_dir: Path, n: int = 1_000_000, d: int = 128, bits: int = 4,
     return ok
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """``tqvec bench gpu-scan [options]`` (needs CUDA): the table, or only ``--check`` / ``--sweep`` / ``--topk``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000])
@@ -448,7 +449,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="only time tile configurations")
     parser.add_argument("--topk", action="store_true", help="only compare torch.topk and the Triton top-k kernels "
                         "(N = 1M, d = 128, 4 bits, nq 1 / 100 / 10000), writing gpu_topk.json / .md under --out")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.check or args.sweep or args.topk:
         ok = check() if args.check else True
         if args.topk:

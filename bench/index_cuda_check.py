@@ -1,4 +1,4 @@
-"""``python -m bench.index_cuda_check``: ``Index(device="cuda")`` against the CPU index on the same data.
+"""``python -m tqvec.bench.index_cuda_check``: ``Index(device="cuda")`` against the CPU index on the same data.
 
 Run on a CUDA machine. For several metrics, bit budgets and modes it builds both indexes from the same
 seeded data, checks that the packed codes are identical, that search ids agree (up to near-ties of the

@@ -17,8 +17,8 @@ import math
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from transformers import Cache, DynamicCache, QuantizedCache

@@ -15,14 +15,14 @@ import itertools
 import json
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from tqvec.kv import TurboQuantCache, TurboQuantLayer
 from tqvec import scan
+from tqvec.kv import TurboQuantCache, TurboQuantLayer
 from tqvec.kv.attention import compressed_attention, decode_step
 from tqvec.kv.codec import HeadCodec
 
@@ -210,7 +210,7 @@ def sweep(contexts: list[int], batches: list[int], bits: float, window: int, ite
 
 def main(argv: list[str] | None = None) -> None:
     """Run the GPU attention benchmark (needs CUDA) and write ``kv_gpu.json`` / ``kv_gpu.md`` under ``--out``."""
-    p = argparse.ArgumentParser(prog="bench.kv_gpu", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tqvec.bench.kv_gpu", description=__doc__.splitlines()[0])
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536, 131072])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--bits", type=float, default=4)
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "kv_gpu_sweep.json").write_text(json.dumps(rows, indent=2))
         return
-    command = "python -m bench.kv_gpu " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = "python -m tqvec.bench.kv_gpu " + shlex.join(argv if argv is not None else sys.argv[1:])
     rows = []
     for batch in args.batches:
         for context in args.contexts:

@@ -8,7 +8,7 @@
   decoding pays per layer) of the split kernel, the combine kernel, the whole step and fp16 SDPA, at 8k tokens, with
   the kernels' direct launches and through Triton's own launch path.
 
-``python -m bench.kv_gpu_diag --out DIR`` writes ``kv_gpu_diag.json`` / ``kv_gpu_diag.md`` (batch 1, 4-bit K/V).
+``python -m tqvec.bench.kv_gpu_diag --out DIR`` writes ``kv_gpu_diag.json`` / ``kv_gpu_diag.md`` (batch 1, 4-bit K/V).
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -127,13 +127,13 @@ def _markdown(fixed: list[dict], configs: list[dict], host: list[dict], command:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the three diagnostics and write ``kv_gpu_diag.json`` / ``kv_gpu_diag.md`` under ``--out``."""
-    p = argparse.ArgumentParser(prog="bench.kv_gpu_diag", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tqvec.bench.kv_gpu_diag", description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.kv_gpu_diag needs a CUDA device")
-    command = "python -m bench.kv_gpu_diag " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = "python -m tqvec.bench.kv_gpu_diag " + shlex.join(argv if argv is not None else sys.argv[1:])
     fixed, configs, host = fixed_cost(args.iters), configurations(args.iters), host_cost()
     device = torch.cuda.get_device_name()
     args.out.mkdir(parents=True, exist_ok=True)

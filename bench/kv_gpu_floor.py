@@ -14,7 +14,7 @@ SDPA (both graph-replayed, L2 flushed, as in ``bench.kv_gpu``). Attention built 
 *read + decode* work to do; the floors (the best of a few shapes of a simple kernel, not proven bounds) show roughly
 how far below them it can get.
 
-``python -m bench.kv_gpu_floor --out DIR`` writes ``kv_gpu_floor.json`` / ``kv_gpu_floor.md``.
+``python -m tqvec.bench.kv_gpu_floor --out DIR`` writes ``kv_gpu_floor.json`` / ``kv_gpu_floor.md``.
 """
 from __future__ import annotations
 
@@ -153,14 +153,14 @@ def _markdown(empty: float, rows: list[dict], command: str, device: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Measure the floors and write ``kv_gpu_floor.json`` / ``kv_gpu_floor.md`` under ``--out``."""
-    p = argparse.ArgumentParser(prog="bench.kv_gpu_floor", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tqvec.bench.kv_gpu_floor", description=__doc__.splitlines()[0])
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.kv_gpu_floor needs a CUDA device")
-    command = "python -m bench.kv_gpu_floor " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = "python -m tqvec.bench.kv_gpu_floor " + shlex.join(argv if argv is not None else sys.argv[1:])
     empty = empty_us(args.iters)
     rows = [floor_row(context, args.iters) for context in args.contexts]
     device = torch.cuda.get_device_name()

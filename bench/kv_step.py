@@ -1,6 +1,6 @@
 """Decode-step time of a small random Llama: DynamicCache + SDPA vs TurboQuantCache + tqvec attention.
 
-``python -m bench.kv_step`` (CPU by default; ``--device cuda`` on a GPU). Measures the cost a cache adds to
+``python -m tqvec.bench.kv_step`` (CPU by default; ``--device cuda`` on a GPU). Measures the cost a cache adds to
 one greedy decode step after a prefill, including its host-side (Python and launch) work, for
 ``TurboQuantCache`` compressing the tokens that leave its window every step (``compress_chunk=1``) and in
 batches (the default, 16). All caches run side by side in one process, each ``--repeats`` times; the table
@@ -43,7 +43,7 @@ def decode_ms(model, cache, ids: torch.Tensor, tokens: int, warmup: int = 2) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="bench.kv_step", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tqvec.bench.kv_step", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
             model.set_attn_implementation(impl)
             times[name].append(decode_ms(model, make(), ids, args.tokens))
             print(f"{name}: {times[name][-1]:.2f} ms/step", flush=True)
-    command = "python -m bench.kv_step " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = "python -m tqvec.bench.kv_step " + shlex.join(argv if argv is not None else sys.argv[1:])
     rows = [{"cache": name, "ms_per_step": min(t), "repeats_ms": t} for name, t in times.items()]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kv_step.json").write_text(json.dumps({"command": command, "device": args.device, "config": cfg.to_dict(),

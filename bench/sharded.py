@@ -1,6 +1,6 @@
 """Issue 7 benchmark: ShardedIndex build and query throughput with 1, 2 and 4 shards on a local Ray cluster.
 
-    python -m bench.sharded [--shards 1 2 4] [--cpus N]
+    python -m tqvec.bench.sharded [--shards 1 2 4] [--cpus N]
 
 Data: KJV MiniLM-384 (``tqvec.datasets.load("kjv-minilm-384-angular")``: 30,102 vectors, 1,000 queries),
 ``Index(384, bits=4, metric="cosine")`` settings (auto correction: centered) on every shard. Per shard
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         ray.shutdown()
     result = {
-        "command": " ".join(["python -m bench.sharded", shlex.join(argv if argv is not None else sys.argv[1:])]).strip(),
+        "command": " ".join(["python -m tqvec.bench.sharded", shlex.join(argv if argv is not None else sys.argv[1:])]).strip(),
         "data": {"name": data.name, "n": len(x), "nq": len(q), "dim": x.shape[1], "correction": reference.correction},
         "environment": {"cpus": args.cpus, "effective_parallel_cpus": parallelism, "ray": ray.__version__, "torch": torch.__version__,
                         "python": platform.python_version(), "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")},

@@ -1,7 +1,7 @@
 """ann-benchmarks-style sweep: tqvec's IVF index against FAISS, turbovec and rabitqlib on one data set.
 
     tqvec bench sweep --dataset glove-50-angular [--batch] [--queries 1000] [--runs 3]
-    .venv/bin/python -m bench.sweep --dataset kjv-minilm-384-angular
+    .venv/bin/python -m tqvec.bench.sweep --dataset kjv-minilm-384-angular
 
 Rules, as ann-benchmarks' runner: every algorithm is a ``BaseANN`` (:mod:`bench.annb`); ``fit`` once per
 build configuration (build time = wall time of ``fit``), then for each query-argument set the queries are
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"sweep_{safe}{tag}"
     argv_used = sys.argv[1:] if argv is None else argv
-    head = ["tqvec", "bench", "sweep"] if Path(sys.argv[0]).name == "tqvec" else [".venv/bin/python", "-m", "bench.sweep"]
+    head = ["tqvec", "bench", "sweep"] if Path(sys.argv[0]).name == "tqvec" else [".venv/bin/python", "-m", "tqvec.bench.sweep"]
     meta = {
         "dataset": ds.name, "metric": ds.metric, "n_train": len(ds.train), "n_test": len(ds.test), "dim": ds.dim,
         "queries": len(queries), "batch": args.batch, "threads": args.threads, "runs": args.runs,

@@ -19,9 +19,9 @@ from typing import Any
 import triton
 
 try:  # Triton internals (3.x); without them every call takes the normal path
+    from triton import knobs
     from triton.runtime.driver import driver
     from triton.runtime.jit import native_specialize_impl
-    from triton import knobs
 except ImportError:  # pragma: no cover - depends on the installed Triton
     native_specialize_impl = None
 

@@ -27,7 +27,6 @@ import triton.language as tl
 
 from .launch import cdiv, pow2
 
-
 #: largest power-of-two key count kept per program (k or k + GROUP_MARGIN beyond it: torch.topk)
 MAX_K_PAD = 1024
 #: candidates per block (at least 2 · K_PAD, so that each pass shrinks its rows at least twofold): ``BLOCK``, or

@@ -1,7 +1,7 @@
 """Triton kernels (tqvec.kernels.ops) against the torch reference of tqvec.scan and the CPU encoder.
 
 Runs on CUDA when present, else on the CPU through Triton's interpreter (``TRITON_INTERPRET=1``, set
-by conftest.py when no GPU is visible). Shapes are small and ragged: row
+by tests/support/kernel_env.py when no GPU is visible). Shapes are small and ragged: row
 counts are not multiples of the interpreter's 32-row tiles and channel counts not multiples of its
 32-channel steps. Tolerances: float32 scores to 1e-4 relative (the kernels accumulate in float32, so
 the observed error is ~1e-7); top-k rows must equal the reference except between tied scores.
@@ -13,13 +13,13 @@ import torch
 
 pytest.importorskip("triton")
 
+from kernel_env import KERNEL_DEVICE, needs_kernels
+
 from tqvec import TurboQuantizer, scan
 from tqvec.kernels import ops
 from tqvec.packing import unpack
 
-from conftest import KERNEL_DEVICE, needs_kernels
-
-pytestmark = [pytest.mark.usefixtures("single_torch_thread"), needs_kernels]
+pytestmark = [pytest.mark.usefixtures("single_torch_thread"), pytest.mark.gpu, needs_kernels]
 RTOL = 1e-4
 # (bits, mode, dim): every width 1–8, fractional rates, prod mode incl. its 0-bit segment at 1 bit
 LAYOUTS = [(1, "mse", 40), (2, "mse", 64), (3, "mse", 40), (4, "mse", 40), (5, "mse", 24), (6, "mse", 40),

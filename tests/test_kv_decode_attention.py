@@ -11,9 +11,11 @@ from tqvec.kv.attention import compressed_attention, decode_step
 from tqvec.kv.codec import HeadCodec
 
 kernels = pytest.importorskip("tqvec.kernels.attention")
-from tqvec.kernels import unpack  # noqa: E402
+from kernel_env import KERNEL_DEVICE  # noqa: E402
 
-from conftest import KERNEL_DEVICE  # noqa: E402
+pytestmark = pytest.mark.gpu
+
+from tqvec.kernels import unpack  # noqa: E402
 
 
 def _layer(bits: float, d: int, tokens: int, batch: int = 1, heads: int = 2, window: int = 8, sinks: int = 2,

@@ -6,9 +6,9 @@ import functools
 
 import pytest
 import torch
+from kernel_env import KERNEL_DEVICE, needs_kernels
 
-from bench.kv_gpu_floor import fold
-from conftest import KERNEL_DEVICE, needs_kernels
+from tqvec.bench.kv_gpu_floor import fold
 from tqvec.kernels.unpack import nibble_pair_asm
 from tqvec.kv.codec import HeadCodec
 
@@ -17,6 +17,7 @@ def _xor(values: torch.Tensor) -> int:
     return functools.reduce(lambda a, b: a ^ b, values.tolist(), 0)
 
 
+@pytest.mark.gpu
 @needs_kernels
 @pytest.mark.parametrize("programs", [1, 3, 7])
 @pytest.mark.parametrize("decode", [False, True])

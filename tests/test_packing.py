@@ -10,8 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tqvec.packing import (Layout, layout_for_bytes, pack, pack_signs, read_tail, split_channels, unpack,
-                           unpack_signs, write_tail)
+from tqvec.packing import Layout, layout_for_bytes, pack, pack_signs, read_tail, split_channels, unpack, unpack_signs, write_tail
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -222,6 +221,7 @@ def test_layout_for_bytes_with_spare_bits(dim: int, row_bytes: int, spare: int) 
         layout_for_bytes(dim, row_bytes, spare_bits=8)
 
 
+@pytest.mark.slow  # runs the Triton kernels under the interpreter: 13–23 s each on a busy 2-core machine
 @pytest.mark.parametrize("bits,dim,code_bytes", [(1, 50, None), (2, 50, None), (3, 40, None), (4, 50, None),
                                                  (2.5, 40, None), (5, 24, None), (1.5, 50, None), (None, 50, 3)])
 def test_readers_ignore_padding_bits(bits: float | None, dim: int, code_bytes: int | None) -> None:

@@ -94,7 +94,7 @@ def test_decode_scales_with_norm() -> None:
 @pytest.mark.parametrize("bits", [1, 2, 2.5, 3, 3.5, 4])
 @pytest.mark.parametrize("data", ["glove50", "kjv384"])
 def test_decode_mse_real_data_haar(request: pytest.FixtureRequest, data: str, bits: float) -> None:
-    """Data-obliviousness: on real unit vectors (10,000 rows) the Haar-rotated MSE is within 5 % of theory.
+    """Data-obliviousness: on real unit vectors (GloVe 10,000 rows, KJV 5,000) the Haar-rotated MSE is within 5 % of theory.
 
     For any fixed x, Πx is uniform on the sphere, so the expectation over Π equals the theory; with one
     fixed Π the average over anisotropic data deviates a little (measured over 6 seeds: std ≈ 1.2 %,
@@ -147,6 +147,7 @@ def errors_over_seeds(bits: float, mode: str, n_seeds: int = 20, per_seed: int =
     return np.stack(rows)
 
 
+@pytest.mark.slow  # over 10 s on a busy 2-core machine
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
 def test_prod_unbiased_and_variance_below_paper_bound(bits: int) -> None:
     """``prod``, 20,000 pairs (20 seeds × 1000): mean error within 3 SE of 0, and the error variance is
@@ -182,6 +183,7 @@ def test_mse_one_bit_bias_is_two_over_pi() -> None:
     assert slope == pytest.approx(DIM * c * c, rel=0.01)
 
 
+@pytest.mark.slow  # over 10 s on a busy 2-core machine
 @pytest.mark.parametrize("bits", [1, 2, 3])
 def test_rescale_removes_per_vector_bias(bits: int) -> None:
     """``rescale=True`` stores ‖x‖/⟨ŷ, y⟩, so E[est | x, ρ] = ρ exactly for every vector:
@@ -374,6 +376,7 @@ def reference_encode(quantizer: TurboQuantizer, x: np.ndarray) -> Codes:
     (40, 8, "mse", "haar", True), (40, 3, "prod", "haar", False), (24, 1, "prod", "hadamard", False),
     (50, None, "mse", "haar", True),  # TurboQuantizer.for_bytes(50, 3): channels with 0 bits
 ])
+@pytest.mark.slow  # over 10 s on a busy 2-core machine
 def test_encoder_output_is_bit_identical_to_the_reference(dim: int, bits: float | None, mode: str, rotation: str,
                                                           rescale: bool) -> None:
     """The fast encoder (int32 indices, direct packing, ŷ from the indices) changes no bit of any field."""
@@ -405,6 +408,7 @@ def test_code_norms_equal_norms_of_decoded_levels(dim: int, bits: float | None) 
 
 @pytest.mark.parametrize("dim,bits", [(50, 2), (50, 3), (50, 4), (40, 8), (384, 4), (1536, 8), (3, 4), (40, 2.5),
                                       (50, 1.5), (50, None), (24, 5.25)])
+@pytest.mark.slow  # over 10 s on a busy 2-core machine
 def test_quantize_equals_bucketize_on_and_next_to_boundaries(dim: int, bits: float | None) -> None:
     """The grid bucketizer counts boundaries exactly as ``torch.bucketize`` (right=False), also for values on a
     boundary, one float32 ulp either side, at the grid's ends and far outside [−1, 1]."""

@@ -105,6 +105,7 @@ def test_run_cap_stops_repeats() -> None:
     assert len(records) == 1 and records[0]["runs"] == 1  # one run, and no larger arguments after it
 
 
+@pytest.mark.slow  # builds every competitor library's index
 def test_end_to_end_tiny_sweep(tmp_path) -> None:
     rng = np.random.default_rng(2)
     centres = rng.standard_normal((8, 32)) * 3

@@ -1,6 +1,6 @@
 """The Triton top-k kernels (tqvec.kernels.topk) against torch.topk, and the search using them.
 
-Runs on CUDA when present, else through Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py
+Runs on CUDA when present, else through Triton's interpreter (``TRITON_INTERPRET=1``, set by kernel_env.py
 when no GPU is visible). The interpreter sorts slowly, so the shapes are small and the kernels' blocks too (16–64
 candidates), which exercises every pass: one program per row, rows split over programs, merged keys,
 several blocks per program.
@@ -12,12 +12,12 @@ import torch
 
 pytest.importorskip("triton")
 
+from kernel_env import KERNEL_DEVICE, needs_kernels
+
 from tqvec import TurboQuantizer, scan
 from tqvec.kernels import ops, topk
 
-from conftest import KERNEL_DEVICE, needs_kernels
-
-pytestmark = [pytest.mark.usefixtures("single_torch_thread"), needs_kernels]
+pytestmark = [pytest.mark.usefixtures("single_torch_thread"), pytest.mark.gpu, needs_kernels]
 
 
 def _values(nq: int, length: int, kind: str, seed: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The ``tqvec`` command: ``tqvec datasets …`` and ``tqvec bench …``.
+"""The ``tqvec`` command: ``tqvec demo``, ``tqvec datasets …`` and ``tqvec bench …``.
 
 Each subcommand lives beside its code (``tqvec.datasets.cli``, ``tqvec.bench.*``) and is imported only
 when run, so optional dependencies (faiss, h5py, transformers, ray, triton) load only where needed.
@@ -17,10 +17,19 @@ BENCHMARKS = {
     "kv": ("tqvec.bench.kv", "main", "KV-cache quality on SmolLM2 (perplexity, KL, passkey)"),
     "gpu-scan": ("tqvec.bench.gpu_scan", "main", "GPU fused search and encode throughput (needs CUDA)"),
     "sharded": ("tqvec.bench.sharded", "main", "Ray sharded index build/query throughput"),
+    "index-cuda-check": ("tqvec.bench.index_cuda_check", "main", "Index(device='cuda') against the CPU index"),
+    "kv-step": ("tqvec.bench.kv_step", "main", "cost of one decode step with the KV cache"),
+    "kv-gpu": ("tqvec.bench.kv_gpu", "main", "GPU decode attention against SDPA (needs CUDA)"),
+    "kv-gpu-diag": ("tqvec.bench.kv_gpu_diag", "main", "host cost and launch diagnostics of decode attention"),
+    "kv-gpu-floor": ("tqvec.bench.kv_gpu_floor", "main", "streaming floors of decode attention (needs CUDA)"),
 }
+#: ``tqvec demo``: the quick comparison that ``make run`` prints
+DEMO = ("tqvec.bench.demo", "main")
 
-USAGE = "usage: tqvec {datasets,bench} ...\n\n  tqvec datasets {list,build NAME}\n  tqvec bench NAME [options]\n\nbenchmarks:\n" + \
-    "\n".join(f"  {name:<11} {help_}" for name, (_, _, help_) in BENCHMARKS.items())
+USAGE = ("usage: tqvec {demo,datasets,bench} ...\n\n"
+         "  tqvec demo [options]            tqvec beside FAISS at equal bytes on GloVe-50, in minutes\n"
+         "  tqvec datasets {list,build NAME}\n  tqvec bench NAME [options]\n\nbenchmarks:\n"
+         + "\n".join(f"  {name:<17} {help_}" for name, (_, _, help_) in BENCHMARKS.items()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,13 +39,16 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
+    if command == "demo":
+        return int(getattr(importlib.import_module(DEMO[0]), DEMO[1])(rest) or 0)
     if command == "datasets":
         from tqvec.datasets.cli import main as datasets_main  # noqa: PLC0415
 
         return int(datasets_main(rest) or 0)
     if command == "bench" and rest and rest[0] in BENCHMARKS:
         module, function, _ = BENCHMARKS[rest[0]]
-        return int(getattr(importlib.import_module(module), function)(rest[1:]) or 0)
+        result = getattr(importlib.import_module(module), function)(rest[1:])
+        return result if isinstance(result, int) else 0
     print(USAGE, file=sys.stderr)
     return 2
 

@@ -110,7 +110,7 @@ def _load_or_solve(dim: int, bits: int) -> tuple[np.ndarray, float]:
     return levels, mse
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def lloyd_max_codebook(dim: int, bits: int) -> Codebook:
     """The Lloyd–Max codebook for coordinates of a random unit vector in R^dim at ``bits`` bits (1..8)."""
     if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < 3:

@@ -1,0 +1,116 @@
+"""The public API: what ``import tqvec`` offers, ``tqvec.load`` by recorded kind, and Ray kept optional."""
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tqvec
+from tqvec import storage
+from tqvec.cli import BENCHMARKS
+from tqvec.cli import main as cli_main
+
+
+def _data(n: int = 600, d: int = 32, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, d)).astype(np.float32)
+
+
+def test_every_index_type_is_public() -> None:
+    assert {"Index", "IVFIndex", "ShardedIndex", "TurboQuantizer", "load"} <= set(tqvec.__all__)
+    for name in tqvec.__all__:
+        assert getattr(tqvec, name) is not None, name
+    from tqvec.distributed import ShardedIndex  # the module path keeps working
+
+    assert tqvec.ShardedIndex is ShardedIndex
+    assert "ShardedIndex" in dir(tqvec)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = tqvec.nope
+
+
+def test_sharded_index_without_ray_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Simulate a machine without Ray: importing ``ray`` fails, and ``tqvec.ShardedIndex`` says what to install."""
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ModuleNotFoundError(name="ray")
+    for name in [m for m in sys.modules if m == "tqvec.distributed" or m.startswith("tqvec.distributed.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.delattr(tqvec, "ShardedIndex", raising=False)  # drop the cached attribute
+    with pytest.raises(ImportError, match=r"pip install 'tqvec\[ray\]'"):
+        _ = tqvec.ShardedIndex
+    with pytest.raises(ImportError, match="ray"):
+        from tqvec import ShardedIndex  # noqa: F401
+    fresh = importlib.reload(tqvec)  # `import tqvec` itself never needs Ray
+    assert fresh.Index is not None and fresh.IVFIndex is not None
+
+
+def test_load_opens_each_kind_and_passes_keywords(tmp_path: Path) -> None:
+    x = _data()
+    flat = tqvec.Index(32, bits=4, metric="cosine")
+    flat.add(x)
+    ivf = tqvec.IVFIndex(32, 4, bits=4, metric="l2", nprobe=2)
+    ivf.add(x)
+    for index, cls in ((flat, tqvec.Index), (ivf, tqvec.IVFIndex)):
+        path = tmp_path / f"{cls.__name__}.tqv"
+        index.save(path)
+        back = tqvec.load(path, mmap=True)
+        assert type(back) is cls and len(back) == len(index)
+        np.testing.assert_array_equal(back.search(x[:5], 3)[1], index.search(x[:5], 3)[1])
+        assert tqvec.load(str(path)).search(x[:5], 3)[1].tolist() == index.search(x[:5], 3)[1].tolist()
+        with pytest.raises(TypeError, match="nope"):
+            tqvec.load(path, nope=1)
+
+
+def test_load_opens_a_sharded_directory_by_its_manifest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A directory (or its manifest.json) whose manifest records kind "tqvec.ShardedIndex" goes to
+    ``ShardedIndex.load`` with the keywords (the class is stubbed: starting Ray is test_distributed's job)."""
+    calls = []
+
+    class Stub:
+        @classmethod
+        def load(cls, path: Path, **kwargs: object) -> str:
+            calls.append((Path(path), kwargs))
+            return "sharded"
+
+    monkeypatch.setattr(tqvec, "ShardedIndex", Stub, raising=False)
+    (tmp_path / "manifest.json").write_text('{"kind": "tqvec.ShardedIndex", "version": 1}')
+    assert tqvec.load(tmp_path, mmap=True) == "sharded"
+    assert tqvec.load(tmp_path / "manifest.json", timeout=5.0) == "sharded"
+    assert calls == [(tmp_path, {"mmap": True}), (tmp_path, {"timeout": 5.0})]
+
+
+def test_load_refuses_what_is_not_an_index(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        tqvec.load(tmp_path / "missing.tqv")
+    (tmp_path / "text.tqv").write_text("hello, this is not a tqvec file at all")
+    with pytest.raises(storage.StorageError, match="not a tqvec file"):
+        tqvec.load(tmp_path / "text.tqv")
+    storage.save_arrays(tmp_path / "other.tqv", "someone.Else", {}, {"a": np.zeros(3, np.float32)})
+    with pytest.raises(storage.StorageError, match="'someone.Else', which is not a tqvec index kind"):
+        tqvec.load(tmp_path / "other.tqv")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(storage.StorageError, match="without manifest.json"):
+        tqvec.load(empty)
+    (empty / "manifest.json").write_text("[1, 2")
+    with pytest.raises(storage.StorageError, match="unreadable manifest"):
+        tqvec.load(empty)
+
+
+@pytest.mark.slow  # imports every benchmark module: transformers, Ray, FAISS
+def test_cli_lists_every_benchmark_and_the_demo(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "tqvec demo" in out and all(name in out for name in BENCHMARKS)
+    for module, function, _ in BENCHMARKS.values():
+        assert callable(getattr(importlib.import_module(module), function)), module
+    assert cli_main(["bench", "no-such-benchmark"]) == 2
+
+
+def test_load_docstring_example_runs() -> None:
+    import doctest
+
+    import tqvec.files
+
+    result = doctest.testmod(tqvec.files, raise_on_error=False)
+    assert result.attempted >= 5 and result.failed == 0

@@ -1,0 +1,72 @@
+"""``tqvec.load``: open any saved tqvec index by the kind its file records.
+
+A file written by :meth:`Index.save` or :meth:`IVFIndex.save` is a :mod:`tqvec.storage` container whose JSON
+header names its kind (``"tqvec.Index"``, ``"tqvec.IVFIndex"``); a :class:`~tqvec.distributed.ShardedIndex`
+is a directory holding ``manifest.json`` (kind ``"tqvec.ShardedIndex"``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from . import storage
+
+MANIFEST = "manifest.json"
+
+
+def file_kind(path: str | os.PathLike) -> str:
+    """The kind a tqvec file or sharded-index directory records, e.g. ``"tqvec.Index"``.
+
+    Raises ``FileNotFoundError`` when ``path`` does not exist and :class:`~tqvec.storage.StorageError` when it
+    is not a tqvec file (bad magic, truncated, corrupt header) or a directory without a readable manifest.
+    """
+    path = Path(path)
+    if path.is_dir():
+        manifest = path / MANIFEST
+        try:
+            kind = json.loads(manifest.read_text(encoding="utf-8")).get("kind")
+        except FileNotFoundError as err:
+            raise storage.StorageError(f"{path}: a directory without {MANIFEST}, not a saved tqvec index") from err
+        except (OSError, ValueError, AttributeError) as err:
+            raise storage.StorageError(f"{manifest}: unreadable manifest ({err})") from err
+        if not isinstance(kind, str):
+            raise storage.StorageError(f"{manifest}: the manifest records no kind")
+        return kind
+    with open(path, "rb") as f:
+        header, _ = storage._read_header(path, f)
+    return header["kind"]
+
+
+def load(path: str | os.PathLike, **kwargs: Any) -> Any:
+    """Open a saved tqvec index, whatever its type: the class is chosen by the kind the file records.
+
+    Parameters: ``path``, a file written by ``Index.save`` / ``IVFIndex.save`` or a directory written by
+    ``ShardedIndex.save`` (or its ``manifest.json``); ``kwargs`` go to that class's ``load`` (e.g.
+    ``mmap=True``, ``device="cuda"``; ``index_factory=...`` for sharded IVF indexes).
+    Returns an :class:`~tqvec.Index`, :class:`~tqvec.IVFIndex` or :class:`~tqvec.ShardedIndex`.
+    Raises ``FileNotFoundError`` for a missing path, :class:`~tqvec.storage.StorageError` for a file that is
+    not a tqvec index (or of a kind this version does not know), ``TypeError`` for a keyword the class's
+    ``load`` does not take, and ``ImportError`` naming the ``ray`` extra for a sharded index without Ray.
+
+    >>> import numpy as np, tempfile, os, tqvec
+    >>> index = tqvec.Index(16, bits=4)
+    >>> _ = index.add(np.random.default_rng(0).standard_normal((100, 16)).astype(np.float32))
+    >>> path = os.path.join(tempfile.mkdtemp(), "x.tqv")
+    >>> index.save(path)
+    >>> back = tqvec.load(path, mmap=True)
+    >>> type(back).__name__, len(back)
+    ('Index', 100)
+    """
+    import tqvec  # noqa: PLC0415 - the classes, ShardedIndex through tqvec's lazy import
+
+    path = Path(path)
+    if path.name == MANIFEST and path.is_file():
+        path = path.parent
+    kind = file_kind(path)
+    classes = {"tqvec.Index": "Index", "tqvec.IVFIndex": "IVFIndex", "tqvec.ShardedIndex": "ShardedIndex"}
+    if kind not in classes:
+        raise storage.StorageError(f"{path}: holds {kind!r}, which is not a tqvec index kind this version "
+                                   f"opens ({', '.join(classes)})")
+    return getattr(tqvec, classes[kind]).load(path, **kwargs)
