@@ -19,7 +19,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 from tqvec import storage  # noqa: E402
 from tqvec.distributed import (  # noqa: E402
-    MANIFEST, ShardError, ShardedIndex, build_shards, merge_topk, read_manifest, shard_of, splitmix64)
+    MANIFEST, IndexSettings, ShardError, ShardedIndex, build_shards, merge_topk, read_manifest, shard_of, splitmix64)
 from tqvec.index import Index  # noqa: E402
 
 DIM, N, NQ, K = 48, 1500, 25, 10
@@ -69,6 +69,20 @@ def test_merge_topk_direction_and_padding(metric):
     assert (I == -1).all() and (D == pad).all()
 
 
+def test_index_settings_check_resolve_and_round_trip():
+    settings = IndexSettings(DIM, 3, "cosine")
+    assert settings.correction == Index(DIM, 3, "cosine").correction != "auto"  # resolved as Index does
+    assert settings.bits == 3.0 and IndexSettings.from_dict(settings.as_dict(), "m") == settings
+    with pytest.raises(ValueError, match="metric"):
+        IndexSettings(DIM, metric="dot")
+    with pytest.raises(storage.StorageError, match="m: index settings must have exactly the keys"):
+        IndexSettings.from_dict(dict(settings.as_dict(), extra=1), "m")
+    with pytest.raises(storage.StorageError, match="m: invalid index settings .*bits"):
+        IndexSettings.from_dict(dict(settings.as_dict(), bits=99), "m")
+    with pytest.raises(ValueError, match="index must be IndexSettings or a callable"):
+        ShardedIndex(DIM, 2)  # the old signature: a clear error, no actor started
+
+
 # ------------------------------------------------------------------------------- same answers as one Index
 
 
@@ -76,9 +90,10 @@ def test_merge_topk_direction_and_padding(metric):
                          [("cosine", "center", "hash", 3), ("l2", "center", "round_robin", 2)])
 def test_sharded_equals_single_index(data, metric, correction, routing, n_shards):
     x, q, ids = data
-    single = Index(DIM, 3, metric, correction=correction, seed=5)
+    settings = IndexSettings(DIM, 3, metric, correction=correction, seed=5)
+    single = settings.new_index()
     use_ids = ids if routing == "hash" else None
-    with ShardedIndex(DIM, n_shards, 3, metric, correction=correction, seed=5, routing=routing) as sharded:
+    with ShardedIndex(settings, n_shards, routing=routing) as sharded:
         for lo, hi in [(0, 900), (900, N)]:  # the first add freezes the center: same batches for both
             got = sharded.add(x[lo:hi], None if use_ids is None else use_ids[lo:hi])
             want = single.add(x[lo:hi], None if use_ids is None else use_ids[lo:hi])
@@ -110,7 +125,7 @@ def test_sharded_equals_single_index(data, metric, correction, routing, n_shards
             with pytest.raises(ValueError, match="already in the index"):
                 sharded.add(x[:1], ids[-1:])
     with pytest.raises(ValueError, match="routing"):
-        ShardedIndex(DIM, 2, routing="random")
+        ShardedIndex(IndexSettings(DIM), 2, routing="random")
 
 
 # ------------------------------------------------------------------------------- save / load
@@ -121,10 +136,11 @@ def saved(tmp_path_factory, data) -> tuple[Path, Index]:
     """A 2-shard ip/center index saved to a directory, and the single Index it must match."""
     x, _, ids = data
     directory = tmp_path_factory.mktemp("sharded")
-    single = Index(DIM, 4, "ip", correction="center", seed=2)
+    settings = IndexSettings(DIM, 4, "ip", correction="center", seed=2)
+    single = settings.new_index()
     single.add(x[5:], ids[5:])
     single.add(x[:5], ids[:5])
-    with ShardedIndex(DIM, SAVED_SHARDS, 4, "ip", correction="center", seed=2) as sharded:
+    with ShardedIndex(settings, SAVED_SHARDS) as sharded:
         sharded.add(x[5:], ids[5:])
         sharded.save(directory)  # first save to a directory: the actors now restart from it
         sharded.add(x[:5], ids[:5])
@@ -241,11 +257,12 @@ def test_build_shards_parquet_matches_single_index(data, tmp_path):
     for i, (lo, hi) in enumerate([(0, 700), (700, N)]):
         table = pa.table({"id": ids[lo:hi], "vector": pa.FixedSizeListArray.from_arrays(pa.array(x[lo:hi].ravel()), DIM)})
         pq.write_table(table, tmp_path / f"part{i}.parquet")
-    single = Index(DIM, 4, "cosine", seed=9, correction="center")
+    settings = IndexSettings(DIM, 4, "cosine", seed=9, correction="center")
+    single = settings.new_index()
     single.add(x, ids)
     out = tmp_path / "built"
-    manifest = build_shards(sorted(tmp_path.glob("*.parquet")), out, 2, DIM, 4, "cosine", seed=9,
-                            correction="center", center=single.center, rows_per_task=400)
+    manifest = build_shards(sorted(tmp_path.glob("*.parquet")), out, settings, 2, center=single.center,
+                            rows_per_task=400)
     assert sum(e["count"] for e in manifest["shards"]) == N
     assert sorted(p.name for p in out.iterdir()) == sorted([MANIFEST, *(e["file"] for e in manifest["shards"])])
     with ShardedIndex.load(out) as sharded:
@@ -260,8 +277,8 @@ def test_build_shards_npy_row_ids_and_computed_center(data, tmp_path):
     x, q, _ = data
     np.save(tmp_path / "a.npy", x[:1000])
     np.save(tmp_path / "b.npy", x[1000:])
-    manifest = build_shards([tmp_path / "a.npy", tmp_path / "b.npy"], tmp_path / "out", 2, DIM, 4, "ip",
-                            correction="center", routing="round_robin", rows_per_task=300)
+    manifest = build_shards([tmp_path / "a.npy", tmp_path / "b.npy"], tmp_path / "out",
+                            IndexSettings(DIM, 4, "ip", correction="center"), 2, routing="round_robin", rows_per_task=300)
     assert manifest["config"]["next_id"] == N and [e["count"] for e in manifest["shards"]] == [N // 2, N // 2]
     shards = [Index.load(tmp_path / "out" / e["file"]) for e in manifest["shards"]]  # in process: no actors
     for s, shard in enumerate(shards):
@@ -271,6 +288,6 @@ def test_build_shards_npy_row_ids_and_computed_center(data, tmp_path):
     exact = np.argsort(-(q @ x.T), axis=1)[:, :K]
     assert np.mean([len(set(a) & set(b)) / K for a, b in zip(I, exact)]) > 0.7
     with pytest.raises(ValueError, match="routing='hash'"):
-        build_shards([tmp_path / "c.parquet"], tmp_path / "x", 2, DIM, routing="round_robin")
+        build_shards([tmp_path / "c.parquet"], tmp_path / "x", IndexSettings(DIM), 2, routing="round_robin")
     with pytest.raises(ValueError, match="all .parquet or all .npy"):
-        build_shards([tmp_path / "a.npy", tmp_path / "c.parquet"], tmp_path / "x", 2, DIM)
+        build_shards([tmp_path / "a.npy", tmp_path / "c.parquet"], tmp_path / "x", IndexSettings(DIM), 2)
