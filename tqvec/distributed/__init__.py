@@ -33,9 +33,9 @@ except ImportError as err:  # pragma: no cover - depends on the environment
 
 from .build import ENCODER_CPUS, build_shards
 from .client import ShardedIndex, ShardError, merge_topk
-from .manifest import MANIFEST, MANIFEST_KIND, MANIFEST_VERSION, read_manifest
+from .manifest import LOCK, MANIFEST, MANIFEST_KIND, MANIFEST_VERSION, read_manifest
 from .routing import ROUTINGS, shard_of, splitmix64
 from .settings import IndexSettings
 
-__all__ = ["ENCODER_CPUS", "IndexSettings", "MANIFEST", "MANIFEST_KIND", "MANIFEST_VERSION", "ROUTINGS",
+__all__ = ["ENCODER_CPUS", "IndexSettings", "LOCK", "MANIFEST", "MANIFEST_KIND", "MANIFEST_VERSION", "ROUTINGS",
            "ShardError", "ShardedIndex", "build_shards", "merge_topk", "read_manifest", "shard_of", "splitmix64"]

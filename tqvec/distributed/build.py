@@ -18,7 +18,7 @@ import torch
 from .. import storage
 from ..index import FILE_KIND, Index
 from ..validation import as_float_matrix, as_ids, check_choice, check_positive_int
-from .manifest import BUILD_PREFIX, commit, file_entry, shard_file_name
+from .manifest import BUILD_PREFIX, commit, file_entry, remove_stale, shard_file_name, writer_lock
 from .routing import ROUTINGS, route
 from .settings import IndexSettings
 
@@ -89,17 +89,19 @@ def build_shards(
         center = _mean(ds, settings.metric)
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=BUILD_PREFIX, dir=out))
-    token = secrets.token_hex(4)
-    files = [out / shard_file_name(s, token) for s in range(n_shards)]
-    try:
-        return _encode_and_commit(ds, settings, center, routing, rows_per_task, workers, work, files)
-    except BaseException:
-        for f in files:
-            f.unlink(missing_ok=True)
-        raise
-    finally:
-        shutil.rmtree(work)
+    with writer_lock(out, timeout=0):
+        remove_stale(out)
+        work = Path(tempfile.mkdtemp(prefix=BUILD_PREFIX, dir=out))
+        token = secrets.token_hex(4)
+        files = [out / shard_file_name(s, token) for s in range(n_shards)]
+        try:
+            return _encode_and_commit(ds, settings, center, routing, rows_per_task, workers, work, files)
+        except BaseException:
+            for f in files:
+                f.unlink(missing_ok=True)
+            raise
+        finally:
+            shutil.rmtree(work)
 
 
 def _encode_and_commit(ds: "ray.data.Dataset", settings: IndexSettings, center: np.ndarray | None, routing: str,

@@ -30,7 +30,8 @@ from ray.exceptions import RayActorError, RayTaskError
 from .. import storage
 from ..validation import as_float_matrix, as_ids, check_choice, check_positive_int
 from .actor import Epoch, ShardActor
-from .manifest import MANIFEST, check_shard_file, commit, read_manifest, shard_file_name
+from .manifest import (MANIFEST, commit, read_manifest, remove_stale, shard_file_name, try_remove_stale,
+                       verify_shard_files, writer_lock)
 from .routing import ROUTINGS, route
 from .settings import IndexSettings
 
@@ -158,7 +159,7 @@ class ShardedIndex:
         try:
             if directory is not None:
                 self._files = [entry["file"] for entry in read_manifest(directory)["shards"]]
-            infos = self._call("info", {s: () for s in range(self.n_shards)}, timeout=None)
+            infos = self._call("info", {s: () for s in range(self.n_shards)})
             self._check_shards(infos)
         except ShardError as err:
             self.close()
@@ -202,7 +203,7 @@ class ShardedIndex:
 
     # ------------------------------------------------------------------ calls
     def _call(self, method: str, args: dict[int, tuple], *, retry: bool = False, mutates: bool = False,
-              allow_missing: bool = False, timeout: float | None = -1.0) -> list[Any]:
+              allow_missing: bool = False) -> list[Any]:
         """Call ``method`` on each shard in ``args``; values in shard order (``None`` where missing).
 
         Every reply's epoch is noted as it arrives (``mutates``: the shard now has unsaved changes), so a
@@ -213,18 +214,16 @@ class ShardedIndex:
         """
         if not self._actors:
             raise RuntimeError("this ShardedIndex is closed")
-        timeout = self.timeout if timeout == -1.0 else timeout
-        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        deadline = time.monotonic() + self.timeout
         pending = {getattr(self._actors[s], method).remote(*a): s for s, a in args.items()}
         results: list[Any] = [None] * self.n_shards
         failed: dict[int, str] = {}
         errors: list[Exception] = []
         delay = 0.05
         while pending:
-            wait = None if timeout is None else max(0.0, deadline - time.monotonic())
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                failed.update({s: f"no answer within {timeout:g} s" for s in pending.values()})
+                failed.update({s: f"no answer within {self.timeout:g} s" for s in pending.values()})
                 break
             s = pending.pop(ready[0])
             try:
@@ -294,12 +293,14 @@ class ShardedIndex:
                     raise ValueError("ids contain duplicates")
             if n == 0:
                 return ids
+            self._raise_if_lost()  # changes to a lost index could never be saved
             if self._settings is not None and self._settings.correction == "center" and self._center is None:
                 self._center = _first_center(x_t, self.metric)
             x_np = x_t.numpy()
             parts = route(ids, self.n_shards, self.routing)
             self._next_id = max(self._next_id, int(ids.max()) + 1)
             self._call("add", {s: (x_np[p], ids[p], self._center) for s, p in parts.items()}, mutates=True)
+            self._raise_if_lost()
         return ids
 
     def remove(self, ids: Any) -> int:
@@ -307,8 +308,10 @@ class ShardedIndex:
         their removals) and ``ShardError`` as :meth:`add`."""
         ids = np.unique(as_ids(ids))
         with self._lock:
+            self._raise_if_lost()
             parts = route(ids, self.n_shards, self.routing)
             counts = self._call("remove", {s: (ids[p],) for s, p in parts.items()}, mutates=True)
+            self._raise_if_lost()
         return sum(counts[s] for s in parts)
 
     # ------------------------------------------------------------------ reads
@@ -386,8 +389,9 @@ class ShardedIndex:
         """
         directory = Path(path).resolve()
         directory.mkdir(parents=True, exist_ok=True)
-        with self._lock:
+        with self._lock, writer_lock(directory, self.timeout):
             self._raise_if_lost()
+            remove_stale(directory)
             token = secrets.token_hex(4)
             files = [directory / shard_file_name(s, token) for s in range(self.n_shards)]
             try:
@@ -422,11 +426,8 @@ class ShardedIndex:
         """
         directory = Path(path).resolve()
         manifest = read_manifest(directory)
-        for s, entry in enumerate(manifest["shards"]):  # fail here, before starting any actor
-            try:
-                check_shard_file(directory, s, entry)
-            except FileNotFoundError as err:
-                raise storage.StorageError(f"shard {s}: {err}") from err
+        try_remove_stale(directory)
+        verify_shard_files(directory, manifest)
         config = manifest["config"]
         settings = None if config["index"] is None else IndexSettings.from_dict(config["index"], str(directory / MANIFEST))
         if (index_factory is None) == (settings is None):
