@@ -30,7 +30,7 @@ import ray
 import torch
 
 from tqvec.datasets import load
-from tqvec.distributed import ShardedIndex, build_shards
+from tqvec.distributed import IndexSettings, ShardedIndex, build_shards
 from tqvec.index import Index
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -97,7 +97,7 @@ def sharded(x: np.ndarray, q: np.ndarray, truth: np.ndarray, n_shards: int, want
             npy_files: list[Path], workdir: Path) -> dict[str, Any]:
     """Start, add, build_shards, search with ``n_shards`` shard actors."""
     t = time.perf_counter()
-    index = ShardedIndex(x.shape[1], n_shards, 4, "cosine")
+    index = ShardedIndex(IndexSettings(x.shape[1], 4, "cosine"), n_shards)
     start_s = time.perf_counter() - t
     try:
         t = time.perf_counter()
@@ -110,8 +110,8 @@ def sharded(x: np.ndarray, q: np.ndarray, truth: np.ndarray, n_shards: int, want
     finally:
         index.close()
     t = time.perf_counter()
-    build_shards(npy_files, workdir / f"built-{n_shards}", n_shards, x.shape[1], 4, "cosine", center=index.center,
-                 rows_per_task=8192)
+    build_shards(npy_files, workdir / f"built-{n_shards}", IndexSettings(x.shape[1], 4, "cosine"), n_shards,
+                 center=index.center, rows_per_task=8192)
     build_s = time.perf_counter() - t
     return {"n_shards": n_shards, "start_s": start_s, "add_vps": len(x) / add_s, "build_shards_s": build_s,
             "build_shards_vps": len(x) / build_s, **same, "recall_at_10": recall_at_k(I, truth, K), **rates}
@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for i, part in enumerate(np.array_split(x, 4)):
                 npy_files.append(workdir / f"kjv-{i}.npy")
                 np.save(npy_files[-1], part)
-            build_shards(npy_files[:1], workdir / "warm-up", 1, x.shape[1], 4, "cosine", center=reference.center)
+            build_shards(npy_files[:1], workdir / "warm-up", IndexSettings(x.shape[1], 4, "cosine"), 1,
+                         center=reference.center)
             rows = []
             for n in args.shards:
                 rows.append(r := sharded(x, q, truth, n, want, npy_files, workdir))

@@ -6,10 +6,13 @@ indexes: each test still checks one behaviour and fails on its own.
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import filelock
 import numpy as np
 import pytest
 
@@ -20,11 +23,15 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 from tqvec import storage  # noqa: E402
 from tqvec.distributed import (  # noqa: E402
-    MANIFEST, ShardError, ShardedIndex, build_shards, merge_topk, read_manifest, shard_of, splitmix64)
+    LOCK, MANIFEST, IndexSettings, ShardError, ShardedIndex, build_shards, merge_topk, read_manifest, shard_of,
+    splitmix64)
+from tqvec.distributed.manifest import try_remove_stale  # noqa: E402
 from tqvec.index import Index  # noqa: E402
 
 DIM, N, NQ, K = 48, 1500, 25, 10
 SAVED_SHARDS = 2
+#: seconds a test lets shard actors start (each imports torch: 13-21 s here at a load average of 20 on 2 cores)
+START_TIMEOUT = 120
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -70,6 +77,20 @@ def test_merge_topk_direction_and_padding(metric):
     assert (I == -1).all() and (D == pad).all()
 
 
+def test_index_settings_check_resolve_and_round_trip():
+    settings = IndexSettings(DIM, 3, "cosine")
+    assert settings.correction == Index(DIM, 3, "cosine").correction != "auto"  # resolved as Index does
+    assert settings.bits == 3.0 and IndexSettings.from_dict(settings.as_dict(), "m") == settings
+    with pytest.raises(ValueError, match="metric"):
+        IndexSettings(DIM, metric="dot")
+    with pytest.raises(storage.StorageError, match="m: index settings must have exactly the keys"):
+        IndexSettings.from_dict(dict(settings.as_dict(), extra=1), "m")
+    with pytest.raises(storage.StorageError, match="m: invalid index settings .*bits"):
+        IndexSettings.from_dict(dict(settings.as_dict(), bits=99), "m")
+    with pytest.raises(ValueError, match="index must be IndexSettings or a callable"):
+        ShardedIndex(DIM, 2)  # the old signature: a clear error, no actor started
+
+
 # ------------------------------------------------------------------------------- same answers as one Index
 
 
@@ -77,9 +98,10 @@ def test_merge_topk_direction_and_padding(metric):
                          [("cosine", "center", "hash", 3), ("l2", "center", "round_robin", 2)])
 def test_sharded_equals_single_index(data, metric, correction, routing, n_shards):
     x, q, ids = data
-    single = Index(DIM, 3, metric, correction=correction, seed=5)
+    settings = IndexSettings(DIM, 3, metric, correction=correction, seed=5)
+    single = settings.new_index()
     use_ids = ids if routing == "hash" else None
-    with ShardedIndex(DIM, n_shards, 3, metric, correction=correction, seed=5, routing=routing) as sharded:
+    with ShardedIndex(settings, n_shards, routing=routing, timeout=START_TIMEOUT) as sharded:
         for lo, hi in [(0, 900), (900, N)]:  # the first add freezes the center: same batches for both
             got = sharded.add(x[lo:hi], None if use_ids is None else use_ids[lo:hi])
             want = single.add(x[lo:hi], None if use_ids is None else use_ids[lo:hi])
@@ -111,7 +133,7 @@ def test_sharded_equals_single_index(data, metric, correction, routing, n_shards
             with pytest.raises(ValueError, match="already in the index"):
                 sharded.add(x[:1], ids[-1:])
     with pytest.raises(ValueError, match="routing"):
-        ShardedIndex(DIM, 2, routing="random")
+        ShardedIndex(IndexSettings(DIM), 2, routing="random")
 
 
 # ------------------------------------------------------------------------------- save / load
@@ -122,10 +144,11 @@ def saved(tmp_path_factory, data) -> tuple[Path, Index]:
     """A 2-shard ip/center index saved to a directory, and the single Index it must match."""
     x, _, ids = data
     directory = tmp_path_factory.mktemp("sharded")
-    single = Index(DIM, 4, "ip", correction="center", seed=2)
+    settings = IndexSettings(DIM, 4, "ip", correction="center", seed=2)
+    single = settings.new_index()
     single.add(x[5:], ids[5:])
     single.add(x[:5], ids[:5])
-    with ShardedIndex(DIM, SAVED_SHARDS, 4, "ip", correction="center", seed=2) as sharded:
+    with ShardedIndex(settings, SAVED_SHARDS, timeout=START_TIMEOUT) as sharded:
         sharded.add(x[5:], ids[5:])
         sharded.save(directory)  # first save to a directory: the actors now restart from it
         sharded.add(x[:5], ids[:5])
@@ -136,7 +159,7 @@ def saved(tmp_path_factory, data) -> tuple[Path, Index]:
 @pytest.fixture(scope="module")
 def loaded(saved):
     """The saved index, loaded once for the tests below (the last one leaves it lost)."""
-    with ShardedIndex.load(saved[0], timeout=60) as sharded:
+    with ShardedIndex.load(saved[0], timeout=START_TIMEOUT) as sharded:
         yield sharded
 
 
@@ -169,6 +192,90 @@ def test_load_rejects_a_file_from_another_save(saved, tmp_path):
     (bad / MANIFEST).write_text("{}")
     with pytest.raises(storage.StorageError, match="not a tqvec.ShardedIndex manifest"):
         ShardedIndex.load(bad)
+
+
+def test_load_rejects_a_corrupted_shard_file(saved, tmp_path):
+    """One flipped byte inside a shard file, its size and trailing SHA-256 (those the manifest records)
+    unchanged: load recomputes the checksums and raises StorageError naming the shard, before any actor."""
+    directory, _ = saved
+    bad = tmp_path / "bad"
+    shutil.copytree(directory, bad)
+    path = bad / read_manifest(bad)["shards"][1]["file"]
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    path.write_bytes(raw)
+    with pytest.raises(storage.StorageError, match="shard 1: .*corrupt"):
+        ShardedIndex.load(bad, timeout=START_TIMEOUT)
+
+
+def test_stale_temp_files_are_removed_safely(saved, tmp_path, data):
+    """What crashed writers leave (temp files of a shard file or of the manifest, a build folder, a shard
+    file no manifest names) goes at load and save; other files stay; while another writer holds the
+    directory's lock nothing is removed and save waits for it, then raises TimeoutError."""
+    directory, single = saved
+    _, q, _ = data
+    copy = tmp_path / "copy"
+    shutil.copytree(directory, copy)
+    stale = [".shard-00000-0123abcd.tqv.0123456789ab.tmp", ".manifest.json.abcdef012345.tmp", "shard-00001-0badf00d.tqv"]
+    keep = [".notes.tmp", "notes.txt", ".shard-00000-0123abcd.tqv.tmp", "shard-1-0badf00d.tqv"]
+    for name in stale + keep:
+        (copy / name).write_bytes(b"partial")
+    (copy / ".build-k3y_9").mkdir()
+    (copy / ".build-k3y_9" / "part-00000-0123456789abcdef.tqv").write_bytes(b"partial")
+    stale.append(".build-k3y_9")
+    with ShardedIndex.load(copy, timeout=START_TIMEOUT) as index:
+        names = {p.name for p in copy.iterdir()}
+        assert not names & set(stale) and set(keep) <= names
+        for name in stale[:2]:  # a writer at work: its temp files must survive
+            (copy / name).write_bytes(b"in progress")
+        with filelock.FileLock(copy / LOCK, thread_local=False):
+            assert try_remove_stale(copy) == []
+            index.timeout = 1.0
+            t = time.monotonic()
+            with pytest.raises(TimeoutError, match="another writer"):
+                index.save(copy)
+            assert 1.0 <= time.monotonic() - t < 10
+        assert {p.name for p in copy.iterdir()} >= set(stale[:2])
+        index.timeout = 60.0
+        index.save(copy)
+        names = {p.name for p in copy.iterdir()}
+        assert not names & set(stale) and set(keep) <= names
+        D, I = index.search(q, K)
+        D1, I1 = single.search(q, K)
+        assert np.array_equal(I, I1) and np.array_equal(D, D1)
+
+
+def _error_within(seconds: float, call: Callable[[], object]) -> tuple[BaseException | None, float]:
+    """Run ``call`` in a daemon thread; its exception (None if it returned) and its duration. Fails the test
+    if it is still running after ``seconds`` (a blocked ``ray.wait`` ignores pytest-timeout's signal)."""
+    box: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as err:  # noqa: BLE001 - handed to the test
+            box.append(err)
+
+    t = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still waiting after {seconds} s"
+    return (box[0] if box else None), time.monotonic() - t
+
+
+def test_start_and_load_honour_timeout(saved):
+    """Actors that cannot be scheduled (three num_cpus=1 shards on this 2-CPU Ray; 3 CPUs each) raise
+    ShardError naming them within about ``timeout`` (plus killing them), and their CPUs come back."""
+    err, took = _error_within(40, lambda: ShardedIndex(IndexSettings(DIM), 3, actor_options={"num_cpus": 1}, timeout=3))
+    assert isinstance(err, ShardError) and err.shards and took < 3 + 10  # the one not scheduled, at least
+    assert all(f"shard {s}: no answer within 3 s" in str(err) for s in err.shards)
+    err, took = _error_within(40, lambda: ShardedIndex.load(saved[0], actor_options={"num_cpus": 3}, timeout=2))
+    assert isinstance(err, ShardError) and err.shards == tuple(range(SAVED_SHARDS)) and took < 2 + 10
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == 2
 
 
 # ------------------------------------------------------------------------------- failures
@@ -232,6 +339,15 @@ def test_restart_that_loses_unsaved_adds_is_never_silent(saved, loaded, data):
     with pytest.raises(ShardError, match="lost"):
         loaded.save(directory)  # never persist the truncated shard
     assert read_manifest(directory)["config"]["next_id"] == int(ids.max()) + 1  # directory untouched
+    more = rng.choice(10**12, size=20, replace=False) + 2 * 10**13  # routed to both shards
+    assert set(shard_of(more, SAVED_SHARDS)) == set(range(SAVED_SHARDS))
+    healthy = ray.get(loaded.shard_actor(1 - victim).count.remote())[0]
+    with pytest.raises(ShardError, match="lost") as err:
+        loaded.add(x[:20], more)  # could never be saved: refused, nothing sent
+    assert err.value.shards == (victim,)
+    assert ray.get(loaded.shard_actor(1 - victim).count.remote())[0] == healthy
+    with pytest.raises(ShardError, match="lost"):
+        loaded.remove(ids[:3])
 
 
 # ------------------------------------------------------------------------------- bulk build with Ray Data
@@ -242,14 +358,15 @@ def test_build_shards_parquet_matches_single_index(data, tmp_path):
     for i, (lo, hi) in enumerate([(0, 700), (700, N)]):
         table = pa.table({"id": ids[lo:hi], "vector": pa.FixedSizeListArray.from_arrays(pa.array(x[lo:hi].ravel()), DIM)})
         pq.write_table(table, tmp_path / f"part{i}.parquet")
-    single = Index(DIM, 4, "cosine", seed=9, correction="center")
+    settings = IndexSettings(DIM, 4, "cosine", seed=9, correction="center")
+    single = settings.new_index()
     single.add(x, ids)
     out = tmp_path / "built"
-    manifest = build_shards(sorted(tmp_path.glob("*.parquet")), out, 2, DIM, 4, "cosine", seed=9,
-                            correction="center", center=single.center, rows_per_task=400)
+    manifest = build_shards(sorted(tmp_path.glob("*.parquet")), out, settings, 2, center=single.center,
+                            rows_per_task=400)
     assert sum(e["count"] for e in manifest["shards"]) == N
-    assert sorted(p.name for p in out.iterdir()) == sorted([MANIFEST, *(e["file"] for e in manifest["shards"])])
-    with ShardedIndex.load(out) as sharded:
+    assert sorted(p.name for p in out.iterdir()) == sorted([MANIFEST, LOCK, *(e["file"] for e in manifest["shards"])])
+    with ShardedIndex.load(out, timeout=START_TIMEOUT) as sharded:
         for s, n in enumerate(sharded.shard_sizes()):
             assert n == int((shard_of(ids, 2) == s).sum())
         D, I = sharded.search(q, K)
@@ -261,8 +378,8 @@ def test_build_shards_npy_row_ids_and_computed_center(data, tmp_path):
     x, q, _ = data
     np.save(tmp_path / "a.npy", x[:1000])
     np.save(tmp_path / "b.npy", x[1000:])
-    manifest = build_shards([tmp_path / "a.npy", tmp_path / "b.npy"], tmp_path / "out", 2, DIM, 4, "ip",
-                            correction="center", routing="round_robin", rows_per_task=300)
+    manifest = build_shards([tmp_path / "a.npy", tmp_path / "b.npy"], tmp_path / "out",
+                            IndexSettings(DIM, 4, "ip", correction="center"), 2, routing="round_robin", rows_per_task=300)
     assert manifest["config"]["next_id"] == N and [e["count"] for e in manifest["shards"]] == [N // 2, N // 2]
     shards = [Index.load(tmp_path / "out" / e["file"]) for e in manifest["shards"]]  # in process: no actors
     for s, shard in enumerate(shards):
@@ -272,6 +389,6 @@ def test_build_shards_npy_row_ids_and_computed_center(data, tmp_path):
     exact = np.argsort(-(q @ x.T), axis=1)[:, :K]
     assert np.mean([len(set(a) & set(b)) / K for a, b in zip(I, exact)]) > 0.7
     with pytest.raises(ValueError, match="routing='hash'"):
-        build_shards([tmp_path / "c.parquet"], tmp_path / "x", 2, DIM, routing="round_robin")
+        build_shards([tmp_path / "c.parquet"], tmp_path / "x", IndexSettings(DIM), 2, routing="round_robin")
     with pytest.raises(ValueError, match="all .parquet or all .npy"):
-        build_shards([tmp_path / "a.npy", tmp_path / "c.parquet"], tmp_path / "x", 2, DIM)
+        build_shards([tmp_path / "a.npy", tmp_path / "c.parquet"], tmp_path / "x", IndexSettings(DIM), 2)

@@ -1,0 +1,442 @@
+"""``ShardedIndex``: one index per Ray actor, scatter-gather search, merged top-k (package docstring).
+
+Failures. Each shard actor runs with Ray's ``max_restarts``; a restarted actor reloads its shard from the
+file that its directory's manifest names (or starts empty if it was never saved; the first ``save`` to a
+directory re-creates the actors from there). Every call waits at most ``timeout`` seconds: starting the
+actors (an actor that cannot be scheduled raises :class:`ShardError` naming it), a read retrying a shard
+that is down, a write, the directory lock of a save. A restart that lost changes made since the last save
+(every reply carries an epoch: a token drawn at actor start and the file it loaded) makes the shard
+*lost*: searches, ``add``, ``remove`` and ``save`` raise ``ShardError`` until the index is reloaded with
+:meth:`ShardedIndex.load`. ``search(..., allow_partial=True)`` returns the merged answer of the shards
+that answered, plus the missing ones. ``add``, ``remove`` and ``save`` are not retried (a retry could
+apply twice); a failing shard raises ``ShardError``, and ``add``/``remove`` are not atomic across shards.
+"""
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from ray.exceptions import RayActorError, RayTaskError
+
+from .. import storage
+from ..validation import as_float_matrix, as_ids, check_choice, check_positive_int
+from .actor import Epoch, ShardActor
+from .manifest import (MANIFEST, commit, read_manifest, remove_stale, shard_file_name, try_remove_stale,
+                       verify_shard_files, writer_lock)
+from .routing import ROUTINGS, route
+from .settings import IndexSettings
+
+
+class ShardError(RuntimeError):
+    """One or more shards could not answer, could not start, or lost data; ``shards`` holds their numbers."""
+
+    def __init__(self, message: str, shards: Sequence[int]) -> None:
+        super().__init__(message)
+        self.shards = tuple(sorted(shards))
+
+
+def _last_line(err: BaseException) -> str:
+    """The last non-empty line of an error's message (Ray puts the cause there, after a traceback)."""
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(err).__name__
+
+
+def _first_center(x: torch.Tensor, metric: str) -> np.ndarray:
+    """The center ``Index.add`` freezes for first batch ``x`` ``(n, dim)`` float32: same ops, same bits."""
+    if metric == "cosine":
+        x = torch.nn.functional.normalize(x, dim=1)
+    return x.mean(0).numpy()
+
+
+def _check_timeout(timeout: Any) -> float:
+    """``timeout`` as a positive finite float (seconds)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def merge_topk(parts: Sequence[tuple[np.ndarray, np.ndarray]], k: int, metric: str,
+               nq: int) -> tuple[np.ndarray, np.ndarray]:
+    """K-way merge of per-shard results.
+
+    Args:
+        parts: per shard ``(D, I)``, each ``(nq, k_s)`` with ``k_s ≤ k``, best first.
+        k: results per query.
+        metric: ``"l2"`` (smallest first) or a similarity metric (largest first).
+        nq: number of queries.
+
+    Returns:
+        ``(D, I)`` ``(nq, k)`` float32 / int64. Equal scores keep shard order; with fewer than ``k``
+        results the tail is −1 with ∓inf.
+
+    Example::
+
+        >>> D, I = merge_topk([(np.array([[3.0]], np.float32), np.array([[7]]))], 2, "ip", nq=1)
+        >>> I.tolist()
+        [[7, -1]]
+    """
+    pad = np.inf if metric == "l2" else -np.inf
+    D = np.concatenate([*(d for d, _ in parts), np.full((nq, k), pad, np.float32)], axis=1)
+    I = np.concatenate([*(i for _, i in parts), np.full((nq, k), -1, np.int64)], axis=1)
+    order = np.argsort(D if metric == "l2" else -D, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(D, order, 1), np.take_along_axis(I, order, 1)
+
+
+class ShardedIndex:
+    """An index split over ``n_shards`` Ray actors (package docstring: routing, scores, files, failures).
+
+    Args:
+        index: the shards' configuration: :class:`IndexSettings` (a plain ``Index`` per shard), or a
+            picklable zero-argument callable returning an index with the ``Index`` contract (e.g.
+            ``functools.partial(IVFIndex, 384, 64)``).
+        n_shards: number of shard actors, ≥ 1.
+        routing: ``"hash"`` or ``"round_robin"`` (:mod:`tqvec.distributed.routing`).
+        max_restarts: Ray restarts per actor.
+        actor_options: passed to Ray's ``.options`` (e.g. ``{"num_cpus": 1}``).
+        timeout: seconds any one call may wait (module docstring: failures), > 0.
+
+    Raises:
+        ValueError: a bad argument (named). ``ShardError``: actors that did not start within ``timeout``.
+
+    Ray is initialized on first use unless the caller did it. Shards run on CPU. Methods may be called
+    from several threads.
+
+    Example::
+
+        >>> with ShardedIndex(IndexSettings(384, bits=4, metric="cosine"), 2) as index:  # doctest: +SKIP
+        ...     ids = index.add(x)
+        ...     D, I = index.search(q, 10)
+    """
+
+    def __init__(self, index: IndexSettings | Callable[[], Any], n_shards: int, *, routing: str = "hash",
+                 max_restarts: int = 3, actor_options: dict[str, Any] | None = None, timeout: float = 30.0) -> None:
+        settings, factory = (index, None) if isinstance(index, IndexSettings) else (None, index)
+        if factory is not None and not callable(factory):
+            raise ValueError(f"index must be IndexSettings or a callable returning an index, got {type(index).__name__}")
+        config = {"dim": None if settings is None else settings.dim,
+                  "n_shards": check_positive_int("n_shards", n_shards),
+                  "routing": check_choice("routing", routing, ROUTINGS), "next_id": 0}
+        self._start(config, settings, factory, None, False, max_restarts, actor_options, timeout)
+
+    # ------------------------------------------------------------------ setup
+    def _start(self, config: dict[str, Any], settings: IndexSettings | None, factory: Callable[[], Any] | None,
+               directory: Path | None, mmap: bool, max_restarts: int, actor_options: dict[str, Any] | None,
+               timeout: float) -> None:
+        self.dim: int | None = config["dim"]
+        self.n_shards: int = config["n_shards"]
+        self.routing: str = config["routing"]
+        self.timeout = _check_timeout(timeout)
+        self._settings = settings
+        self._factory = factory if factory is not None else settings.new_index
+        self._next_id: int = config["next_id"]
+        self._mmap, self._max_restarts, self._actor_options = mmap, max_restarts, dict(actor_options or {})
+        self._lock = threading.RLock()
+        self._unsaved = np.zeros(self.n_shards, bool)
+        self._lost: set[int] = set()
+        self._actors: list[Any] = []
+        self._spawn(directory)
+
+    def _spawn(self, directory: Path | None) -> None:
+        """(Re)create the shard actors; they load from ``directory`` when it holds a saved index. Raises
+        ``ShardError`` (actors killed) if any does not answer within ``timeout``."""
+        for actor in self._actors:
+            ray.kill(actor, no_restart=True)
+        remote = ray.remote(ShardActor).options(max_restarts=self._max_restarts, **self._actor_options)
+        path = None if directory is None else str(directory)
+        self._actors = [remote.remote(s, self._factory, self._settings, path, self._mmap) for s in range(self.n_shards)]
+        self._directory = directory
+        self._epochs: list[Epoch | None] = [None] * self.n_shards
+        self._files: list[str | None] = [None] * self.n_shards
+        try:
+            if directory is not None:
+                self._files = [entry["file"] for entry in read_manifest(directory)["shards"]]
+            infos = self._call("info", {s: () for s in range(self.n_shards)})
+            self._check_shards(infos)
+        except ShardError as err:
+            self.close()
+            raise ShardError(f"starting the shard actors failed: {err} (an actor that never answers may not be "
+                             f"schedulable: actor_options {self._actor_options} against ray.available_resources())",
+                             err.shards) from err
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_shards(self, infos: list[dict[str, Any]]) -> None:
+        """Check that the shards agree (class, dim, metric, center) and adopt their dim, metric and center."""
+        classes = {info["class"] for info in infos}
+        dims = {(i["dim"], i["metric"]) for i in infos}
+        if len(classes) != 1 or len(dims) != 1 or self.dim not in (None, infos[0]["dim"]):
+            raise ValueError(f"shards disagree or do not match dim={self.dim}: "
+                             f"{sorted({(i['class'], i['dim'], i['metric']) for i in infos})}")
+        self.index_class: str = classes.pop()
+        self.dim, self.metric = infos[0]["dim"], infos[0]["metric"]
+        centers = {tuple(i["center"]) for i in infos if i["center"] is not None and i["count"]}
+        if self._settings is not None and len(centers) > 1:
+            raise storage.StorageError("shards hold different centers: their scores are not comparable")
+        self._center = np.array(centers.pop(), np.float32) if centers else None
+
+    def close(self) -> None:
+        """Kill the shard actors (the saved files stay)."""
+        with self._lock:
+            for actor in self._actors:
+                ray.kill(actor, no_restart=True)
+            self._actors = []
+
+    def __enter__(self) -> "ShardedIndex":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"ShardedIndex(dim={self.dim}, n_shards={self.n_shards}, metric={self.metric!r}, "
+                f"routing={self.routing!r}, index_class={self.index_class!r})")
+
+    # ------------------------------------------------------------------ calls
+    def _call(self, method: str, args: dict[int, tuple], *, retry: bool = False, mutates: bool = False,
+              allow_missing: bool = False) -> list[Any]:
+        """Call ``method`` on each shard in ``args``; values in shard order (``None`` where missing).
+
+        Every reply's epoch is noted as it arrives (``mutates``: the shard now has unsaved changes), so a
+        failure elsewhere loses no bookkeeping. With ``retry`` a shard that is down is called again until
+        ``self.timeout``; a shard that has not answered by then (or, without ``retry``, one that is down)
+        raises :class:`ShardError`, unless ``allow_missing``. An error raised inside a shard (e.g.
+        ``KeyError``) is re-raised once every shard has replied.
+        """
+        if not self._actors:
+            raise RuntimeError("this ShardedIndex is closed")
+        deadline = time.monotonic() + self.timeout
+        pending = {getattr(self._actors[s], method).remote(*a): s for s, a in args.items()}
+        results: list[Any] = [None] * self.n_shards
+        failed: dict[int, str] = {}
+        errors: list[Exception] = []
+        delay = 0.05
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                failed.update({s: f"no answer within {self.timeout:g} s" for s in pending.values()})
+                break
+            s = pending.pop(ready[0])
+            try:
+                results[s], epoch = ray.get(ready[0])
+            except RayTaskError as err:  # raised by the index inside the shard: typed as its cause
+                errors.append(err)
+                continue
+            except RayActorError as err:
+                if not retry or time.monotonic() + delay > deadline:
+                    failed[s] = f"actor down ({type(err).__name__}: {_last_line(err)})"
+                    continue
+                time.sleep(delay)
+                delay = min(2 * delay, 1.0)
+                pending[getattr(self._actors[s], method).remote(*args[s])] = s
+                continue
+            self._observe(s, epoch)
+            if mutates:
+                self._unsaved[s] = True
+        if errors:
+            raise errors[0]
+        if failed and not allow_missing:
+            raise ShardError(f"{method}: " + "; ".join(f"shard {s}: {why}" for s, why in sorted(failed.items())), failed)
+        return results
+
+    def _observe(self, shard: int, epoch: Epoch) -> None:
+        """Note the epoch of a reply. A new one means a restart: it lost data if the shard had unsaved changes
+        or started from another file than the last save's (a restart racing a save)."""
+        with self._lock:
+            if epoch != self._epochs[shard]:
+                if self._epochs[shard] is not None and (self._unsaved[shard] or epoch[1] != self._files[shard]):
+                    self._lost.add(shard)
+                self._epochs[shard], self._unsaved[shard] = epoch, False
+
+    def _raise_if_lost(self, shards: set[int] | None = None) -> None:
+        """Raise ``ShardError`` if any of ``shards`` (default: any shard) is lost."""
+        lost = self._lost if shards is None else self._lost & shards
+        if lost:
+            where = f"its file in {self._directory}" if self._directory else "an empty index (never saved)"
+            raise ShardError(f"shard(s) {sorted(lost)} restarted from {where} and lost the changes made after the "
+                             "last save; reload with ShardedIndex.load and add them again", lost)
+
+    # ------------------------------------------------------------------ mutations
+    def add(self, x: Any, ids: Any = None) -> np.ndarray:
+        """Add vectors; not atomic across shards (module docstring).
+
+        Args:
+            x: ``(n, dim)`` floats.
+            ids: ``(n,)`` int64, unique (default: consecutive; must be None with ``round_robin``).
+
+        Returns:
+            The ids ``(n,)`` int64.
+
+        Raises:
+            ValueError: bad ``x`` or ``ids``. ShardError: a shard is lost (nothing is sent), or a shard
+            failed or turned out lost during this call (the other shards keep their part).
+        """
+        x_t = as_float_matrix(x, self.dim, "x", "cpu")
+        n = x_t.shape[0]
+        with self._lock:
+            if ids is None:
+                ids = np.arange(self._next_id, self._next_id + n, dtype=np.int64)
+            elif self.routing == "round_robin":
+                raise ValueError("routing='round_robin' assigns the ids itself; use routing='hash' to choose ids")
+            else:
+                ids = as_ids(ids, n)
+                if len(np.unique(ids)) != n:
+                    raise ValueError("ids contain duplicates")
+            if n == 0:
+                return ids
+            self._raise_if_lost()  # changes to a lost index could never be saved
+            if self._settings is not None and self._settings.correction == "center" and self._center is None:
+                self._center = _first_center(x_t, self.metric)
+            x_np = x_t.numpy()
+            parts = route(ids, self.n_shards, self.routing)
+            self._next_id = max(self._next_id, int(ids.max()) + 1)
+            self._call("add", {s: (x_np[p], ids[p], self._center) for s, p in parts.items()}, mutates=True)
+            self._raise_if_lost()
+        return ids
+
+    def remove(self, ids: Any) -> int:
+        """Remove ``ids`` ``(n,)``; returns the count. Raises ``KeyError`` for an unknown id (other shards keep
+        their removals) and ``ShardError`` as :meth:`add`."""
+        ids = np.unique(as_ids(ids))
+        with self._lock:
+            self._raise_if_lost()
+            parts = route(ids, self.n_shards, self.routing)
+            counts = self._call("remove", {s: (ids[p],) for s, p in parts.items()}, mutates=True)
+            self._raise_if_lost()
+        return sum(counts[s] for s in parts)
+
+    # ------------------------------------------------------------------ reads
+    def search(self, queries: Any, k: int, rerank: int | None = None, *, allow_partial: bool = False,
+               **options: Any) -> tuple[np.ndarray, ...]:
+        """Top-``k`` over all shards, as :meth:`Index.search`.
+
+        Args:
+            queries: ``(nq, dim)`` floats.
+            k: results per query, ≥ 1.
+            rerank, options: passed to every shard's ``search`` (e.g. ``nprobe=`` of an IVF index).
+            allow_partial: return what the answering shards found instead of raising.
+
+        Returns:
+            ``(D, I)`` ``(nq, k)`` (best first; −1 and ∓inf padding), or with ``allow_partial``
+            ``(D, I, missing)``: ``missing`` the sorted tuple of shards that did not answer or are lost.
+
+        Raises:
+            ShardError: a shard is still down after ``timeout`` (retried meanwhile) or is lost.
+        """
+        k = check_positive_int("k", k)
+        q = as_float_matrix(queries, self.dim, "queries", "cpu").numpy()
+        q_ref = ray.put(q)  # one copy in the object store, read by every shard
+        options = options if rerank is None else dict(options, rerank=rerank)
+        replies = self._call("search", {s: (q_ref, k, options) for s in range(self.n_shards)}, retry=True,
+                             allow_missing=allow_partial)
+        missing = {s for s, r in enumerate(replies) if r is None} | self._lost
+        if not allow_partial:
+            self._raise_if_lost()
+        D, I = merge_topk([r for s, r in enumerate(replies) if s not in missing], k, self.metric, nq=len(q))
+        return (D, I, tuple(sorted(missing))) if allow_partial else (D, I)
+
+    def reconstruct(self, ids: Any) -> np.ndarray:
+        """Decoded vectors ``(len(ids), dim)`` float32 (unknown id: ``KeyError``; lost shard: ``ShardError``)."""
+        ids = as_ids(ids)
+        parts = route(ids, self.n_shards, self.routing)
+        replies = self._call("reconstruct", {s: (ids[p],) for s, p in parts.items()}, retry=True)
+        out = np.empty((len(ids), self.dim), np.float32)
+        for s, p in parts.items():
+            out[p] = replies[s]
+        self._raise_if_lost(set(parts))
+        return out
+
+    def shard_sizes(self) -> list[int]:
+        """Vectors held by each shard."""
+        counts = self._call("count", {s: () for s in range(self.n_shards)}, retry=True)
+        self._raise_if_lost()
+        return counts
+
+    def __len__(self) -> int:
+        return sum(self.shard_sizes())
+
+    @property
+    def ntotal(self) -> int:
+        """Number of stored vectors (FAISS name)."""
+        return len(self)
+
+    @property
+    def center(self) -> np.ndarray | None:
+        """The centering vector shared by all shards ``(dim,)`` float32, or None."""
+        return None if self._center is None else self._center.copy()
+
+    def shard_actor(self, shard: int) -> Any:
+        """The Ray actor handle of ``shard`` (for operations and tests, e.g. ``ray.kill``)."""
+        return self._actors[shard]
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path: str | os.PathLike) -> None:
+        """Save every shard and then the manifest into directory ``path`` (:mod:`tqvec.distributed.manifest`).
+
+        Holds the directory's writer lock (waiting up to ``timeout`` for another writer: ``TimeoutError``)
+        and first deletes what crashed writers left there. Saving to a directory other than the current
+        one re-creates the actors from the files just written, so that a restarted shard reloads from there.
+        Raises ``ShardError`` if a shard is lost or fails; the directory then keeps its previous save.
+        """
+        directory = Path(path).resolve()
+        directory.mkdir(parents=True, exist_ok=True)
+        with self._lock, writer_lock(directory, self.timeout):
+            self._raise_if_lost()
+            remove_stale(directory)
+            token = secrets.token_hex(4)
+            files = [directory / shard_file_name(s, token) for s in range(self.n_shards)]
+            try:
+                entries = self._call("save", {s: (str(f),) for s, f in enumerate(files)})
+                self._raise_if_lost()
+                config = {"dim": self.dim, "n_shards": self.n_shards, "routing": self.routing,
+                          "index": None if self._settings is None else self._settings.as_dict(),
+                          "next_id": self._next_id, "index_class": self.index_class}
+                commit(directory, config, entries)
+            except BaseException:
+                for f in files:
+                    f.unlink(missing_ok=True)
+                raise
+            self._unsaved[:] = False
+            if directory != self._directory:
+                self._spawn(directory)
+            else:
+                self._files = [f.name for f in files]
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, *, index_factory: Callable[[], Any] | None = None, mmap: bool = False,
+             max_restarts: int = 3, actor_options: dict[str, Any] | None = None,
+             timeout: float = 30.0) -> "ShardedIndex":
+        """Open a directory written by :meth:`save` or :func:`build_shards`: one actor per shard file.
+
+        Every shard file's SHA-256 is recomputed first (one read of each, several at a time), so a corrupt
+        or swapped file raises ``StorageError`` naming its shard before any actor starts. Leftovers of
+        crashed writers are deleted when no writer holds the directory (skipped if read-only).
+        Shards made by an ``index_factory`` need the same factory here (its class's ``load`` reads them).
+        ``mmap``: map the shard files read-only instead of reading them. Other arguments as the constructor;
+        ``ShardError`` if the actors do not start within ``timeout``.
+        """
+        directory = Path(path).resolve()
+        manifest = read_manifest(directory)
+        try_remove_stale(directory)
+        verify_shard_files(directory, manifest)
+        config = manifest["config"]
+        settings = None if config["index"] is None else IndexSettings.from_dict(config["index"], str(directory / MANIFEST))
+        if (index_factory is None) == (settings is None):
+            raise ValueError(f"{directory}: shards are {config.get('index_class')}; "
+                             + ("pass the index_factory that made them" if index_factory is None
+                                else "they are plain Index shards, load them without index_factory"))
+        self = cls.__new__(cls)
+        self._start(config, settings, index_factory, directory, mmap, max_restarts, actor_options, timeout)
+        if self.index_class != config.get("index_class"):
+            self.close()
+            raise ValueError(f"{directory}: shards were {config.get('index_class')}, loaded as {self.index_class}")
+        return self
