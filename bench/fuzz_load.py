@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
-import os
 import platform
 import struct
 import sys
@@ -48,25 +46,25 @@ _AWKWARD_BITS = [b"\x00\x00\xc0\x7f", b"\x00\x00\x80\x7f", b"\x00\x00\x80\xff", 
 def seed_files(folder: Path) -> list[bytes]:
     """Bytes of small valid index files of varied configurations (flat and IVF, every optional array)."""
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((120, 16)).astype(np.float32)
+    x = rng.standard_normal((160, 32)).astype(np.float32)
     builds: list[Callable[[], Index | IVFIndex]] = [
-        lambda: Index(16, 4, "l2", correction="center"),
-        lambda: Index(16, 1, "cosine"),  # centering bias in the code padding
-        lambda: Index(16, 3, "ip", mode="prod", rerank_bits=6),
-        lambda: Index(16, 2, "ip", rotation="hadamard", correction="rescale"),
-        lambda: IVFIndex(16, 3, 4, "l2"),
-        lambda: IVFIndex(16, 2, 4, "ip", encoding="direct", correction="center", rerank_bits=5),
-        lambda: IVFIndex(16, 2, 2, "cosine", mode="prod"),
+        lambda: Index(32, 4, "l2", correction="center"),
+        lambda: Index(32, 1, "cosine"),  # centering bias in the code padding
+        lambda: Index(32, 3, "ip", mode="prod", rerank_bits=6),
+        lambda: Index(32, 2, "ip", rotation="hadamard", correction="rescale"),
+        lambda: IVFIndex(32, 3, 4, "l2"),
+        lambda: IVFIndex(32, 2, 4, "ip", encoding="direct", correction="center", rerank_bits=5),
+        lambda: IVFIndex(32, 2, 2, "cosine", mode="prod"),
     ]
     out = []
     for i, build in enumerate(builds):
         index = build()
-        index.add(x[: 20 + 10 * i])
+        index.add(x[: 120 + 5 * i])
         path = folder / f"seed{i}.tqv"
         index.save(path)
         out.append(path.read_bytes())
     empty = folder / "empty.tqv"
-    Index(16, 4).save(empty)
+    Index(32, 4).save(empty)
     out.append(empty.read_bytes())
     return out
 

@@ -28,10 +28,10 @@ from tqvec import storage
 from tqvec.index import Index, search_results
 from tqvec.ivf import IVFIndex
 from tqvec.storage import StorageError
-from tqvec.validation import MAX_ID, MAX_SQUARED_NORM
 
 DIM = 32
-MB = 1 << 20
+MAX_ID = 2**63 - 2  # the documented id range is [0, 2**63 - 2] (tqvec.validation.MAX_ID)
+MAX_SQUARED_NORM = 2.0**120  # the documented input limit (tqvec.validation.MAX_SQUARED_NORM)
 
 
 def _gaussian(n: int, seed: int = 0, dim: int = DIM) -> np.ndarray:
@@ -411,6 +411,13 @@ def test_k_beyond_ntotal_costs_only_the_padding(cls, monkeypatch: pytest.MonkeyP
     assert D.shape == (2, 10**7) and (I[:, 50:] == -1).all() and (I[:, :50] >= 0).all()
 
 
+@pytest.mark.parametrize("metric, fill", [("l2", np.inf), ("ip", -np.inf)])
+def test_search_results_pad_to_k(metric: str, fill: float) -> None:
+    D, I = search_results(metric, torch.zeros(1, 3), torch.tensor([[2.0, 1.0]]), torch.tensor([[1, 0]]),
+                          np.array([7, 9]), k=5)
+    assert I.tolist() == [[9, 7, -1, -1, -1]] and D.dtype == np.float32 and (D[0, 2:] == fill).all()
+
+
 # ------------------------------------------------------------------------------ 10: smaller ones
 def test_seed_out_of_range_names_the_seed() -> None:
     for seed in (2**64, -1, 1.5):
@@ -432,3 +439,14 @@ def test_longdouble_input_is_accepted() -> None:
     index = Index(DIM, 4)
     index.add(x)
     assert index.search(x, 1)[1][:, 0].tolist() == list(range(5))
+
+
+# ------------------------------------------------------------------------------ fuzz target, short version
+def test_fuzz_load_short(tmp_path: Path) -> None:
+    """400 seeded inputs of ``tqvec.bench.fuzz_load`` (the bench script runs 100,000): only ``StorageError``."""
+    from tqvec.bench.fuzz_load import Target, run_random
+
+    target = Target(tmp_path, slow=5.0)
+    run_random(target, 400, seed=20)
+    assert target.inputs == 400 and target.findings == []
+    assert target.loaded > 0  # some mutations keep the file valid: the "loaded, then used" path runs too

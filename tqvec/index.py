@@ -163,7 +163,7 @@ def new_ids(ids: Any, n: int, next_id: int, table: tuple[np.ndarray, np.ndarray]
 
 
 def search_results(
-    metric: str, q: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor, ids: np.ndarray,
+    metric: str, q: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor, ids: np.ndarray, k: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """FAISS-style ``(D, I)`` float32 / int64 ``(nq, k)`` from estimated inner products ``scores`` of queries ``q`` and
     their ``rows`` (−1: no result, given D ``±inf`` and I −1), ``ids[row]`` the stored id. L2 distances are the
@@ -171,7 +171,10 @@ def search_results(
     ``tests/test_index.py``), and clamping would flatten the ranking D reports.
 
     A NaN estimate (which validated inputs and files cannot produce) never ranks first: such entries move,
-    in order, to the end of their row (where numpy's sort puts NaN), behind every number and the padding."""
+    in order, to the end of their row (where numpy's sort puts NaN), behind every number and the padding.
+
+    ``k`` (≥ the columns of ``scores``): pad the results to ``k`` columns with ∓inf / −1, so that a search may
+    scan for at most ``ntotal`` results and still answer ``k`` (FAISS's convention)."""
     rows_np = rows.cpu().numpy()
     labels = np.where(rows_np >= 0, ids[rows_np.clip(0)] if len(ids) else -1, -1)
     if metric == "l2":
@@ -183,6 +186,11 @@ def search_results(
     if nan.any():
         order = np.argsort(nan, axis=1, kind="stable")
         distances, labels = np.take_along_axis(distances, order, 1), np.take_along_axis(labels, order, 1)
+    if k is not None and k > distances.shape[1]:
+        pad = k - distances.shape[1]
+        fill = np.float32(np.inf if metric == "l2" else -np.inf)
+        distances = np.concatenate([distances, np.full((len(distances), pad), fill, np.float32)], 1)
+        labels = np.concatenate([labels, np.full((len(labels), pad), -1, np.int64)], 1)
     return distances, labels
 
 

@@ -294,7 +294,8 @@ def _check_entries(path: Path, entries: list, payload_nbytes: int) -> list[tuple
     out, names, end = [], set(), 0
     for e in entries:
         if not (isinstance(e, dict) and set(e) == _ENTRY_KEYS and isinstance(e["name"], str)
-                and e["dtype"] in _ALLOWED_DTYPES and isinstance(e["shape"], list) and len(e["shape"]) <= _MAX_NDIM
+                and isinstance(e["dtype"], str) and e["dtype"] in _ALLOWED_DTYPES
+                and isinstance(e["shape"], list) and len(e["shape"]) <= _MAX_NDIM
                 and all(_is_count(s) and s < 2**62 for s in e["shape"]) and _is_count(e["offset"])
                 and _is_count(e["nbytes"])):
             raise StorageError(f"{path}: corrupt array table entry {e!r}")
