@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import platform
+import shutil
 import struct
 import sys
 import tempfile
@@ -123,8 +125,12 @@ def derive(fuzz: bytes, seeds: list[bytes]) -> bytes:
 class Target:
     """Loads derived files; records findings (an exception other than ``StorageError``, or a slow input)."""
 
-    def __init__(self, folder: Path, slow: float = 1.0) -> None:
+    def __init__(self, folder: Path, slow: float = 1.0, report: Callable[["Target"], None] | None = None,
+                 every: int = 0, last: int = 0) -> None:
+        """``report(self)`` runs every ``every`` inputs and at input ``last`` (then the process exits: atheris)."""
         self.folder, self.slow = folder, slow
+        self.report, self.every, self.last = report, every, last
+        self.start = time.perf_counter()
         self.seeds = seed_files(folder)
         self.path = folder / "input.tqv"
         self.out = folder / "resaved.tqv"
@@ -155,6 +161,11 @@ class Target:
         self.slowest = max(self.slowest, elapsed)
         if elapsed > self.slow:
             self.findings.append({"stage": "slow", "seconds": elapsed, "sha256": hashlib.sha256(data).hexdigest()})
+        if self.report is not None and (self.inputs == self.last or (self.every and self.inputs % self.every == 0)):
+            self.report(self)
+            if self.inputs == self.last:
+                sys.stdout.flush()
+                os._exit(1 if self.findings else 0)
 
     def _finding(self, stage: str, cls: type, err: Exception, data: bytes) -> None:
         digest = hashlib.sha256(data).hexdigest()
@@ -185,12 +196,18 @@ def run_hypothesis(target: Target, inputs: int) -> None:
 def run_atheris(target: Target, inputs: int) -> None:
     import atheris  # noqa: PLC0415
 
-    atheris.instrument_func(derive)
-    atheris.Setup([sys.argv[0], f"-runs={inputs}", "-seed=1", "-max_len=400"], target)
-    try:
-        atheris.Fuzz()
-    except SystemExit:
-        pass
+    from tqvec import index as index_module, ivf as ivf_module, validation  # noqa: PLC0415
+
+    # coverage feedback from the code under test (not torch/numpy: instrumenting those would crawl)
+    for module in (storage, validation):
+        for value in vars(module).values():
+            if callable(value) and getattr(value, "__module__", None) == module.__name__ and hasattr(value, "__code__"):
+                atheris.instrument_func(value)
+    for func in (derive, index_module._check_file, ivf_module._check_file, index_module.check_rows,
+                 Index.load.__func__, IVFIndex.load.__func__):
+        atheris.instrument_func(func)
+    atheris.Setup([sys.argv[0], f"-runs={inputs + 1}", "-seed=1", "-max_len=400", "-len_control=0"], target)
+    atheris.Fuzz()  # libFuzzer exits the process when done: Target.__call__ reports at its input number `inputs`
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,26 +224,35 @@ def main(argv: list[str] | None = None) -> int:
             engine = "atheris"
         except ImportError:
             engine = "hypothesis"
-    with tempfile.TemporaryDirectory() as folder:
-        target = Target(Path(folder), args.slow)
-        start = time.perf_counter()
-        {"atheris": run_atheris, "hypothesis": run_hypothesis, "random": run_random}[engine](target, args.inputs)
-        seconds = time.perf_counter() - start
-    result = {"engine": engine, "inputs": target.inputs, "loaded": target.loaded, "seconds": round(seconds, 1),
-              "slowest_input_s": round(target.slowest, 3), "findings": target.findings[:50],
-              "n_findings": len(target.findings), "python": platform.python_version(),
-              "command": "python -m tqvec.bench.fuzz_load " + " ".join(argv if argv is not None else sys.argv[1:])}
-    print(json.dumps({k: v for k, v in result.items() if k != "findings"}))
-    for f in target.findings[:10]:
-        print(f)
-    if not args.no_write:
+    command = "python -m tqvec.bench.fuzz_load " + " ".join(argv if argv is not None else sys.argv[1:])
+
+    def report(target: Target) -> None:
+        seconds = time.perf_counter() - target.start
+        result = {"engine": engine, "inputs": target.inputs, "loaded": target.loaded, "seconds": round(seconds, 1),
+                  "slowest_input_s": round(target.slowest, 3), "n_findings": len(target.findings),
+                  "findings": target.findings[:50], "python": platform.python_version(), "command": command,
+                  "finished": target.inputs >= args.inputs}
+        print(json.dumps({k: v for k, v in result.items() if k != "findings"}), flush=True)
+        for f in target.findings[:10]:
+            print(f)
+        if args.no_write:
+            return
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / "fuzz_load.json").write_text(json.dumps(result, indent=1) + "\n")
+        state = "" if result["finished"] else f" (stopped early: {target.inputs} of {args.inputs} inputs)"
         (RESULTS / "fuzz_load.md").write_text(
-            f"# Fuzzing `Index.load` / `IVFIndex.load`\n\n`{result['command']}` ({engine}, Python {result['python']}):"
+            f"# Fuzzing `Index.load` / `IVFIndex.load`\n\n`{command}` ({engine}, Python {result['python']}){state}:"
             f" {target.inputs} inputs in {seconds:.0f} s, {target.loaded} loads succeeded (each then searched and "
-            f"saved), slowest input {target.slowest:.3f} s, **{len(target.findings)} findings** (exceptions other than "
-            "`StorageError`, or inputs slower than the limit).\n")
+            f"saved), slowest input {target.slowest:.3f} s, **{len(target.findings)} findings** (exceptions other "
+            "than `StorageError`, or inputs slower than the limit).\n")
+
+    folder = Path(tempfile.mkdtemp(prefix="tqvec-fuzz-"))
+    target = Target(folder, args.slow, report, every=5000, last=args.inputs if engine == "atheris" else 0)
+    try:
+        {"atheris": run_atheris, "hypothesis": run_hypothesis, "random": run_random}[engine](target, args.inputs)
+        report(target)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     return 1 if target.findings else 0
 
 

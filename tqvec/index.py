@@ -604,7 +604,7 @@ class Index(CodedRows):
         index._center = None if center is None else torch.as_tensor(np.array(center, np.float32)).to(device)
         index._center_pending = meta["center_pending"]
         index._next_id = meta["next_id"]
-        index._rows = _Rows(tensors, np.array(ids, np.int64), len(ids))
+        index._rows = _Rows(tensors, np.asarray(ids, np.int64), len(ids))
         return index
 
     def _check_loaded(self, arrays: dict[str, np.ndarray], ids: np.ndarray, center: np.ndarray | None) -> None:

@@ -577,7 +577,7 @@ class IVFIndex(CodedRows):
         index._center = None if center is None else torch.as_tensor(np.array(center, np.float32)).to(device)
         index._center_pending = meta["center_pending"]
         index._next_id = meta["next_id"]
-        index._reset_rows(tensors, np.array(ids, np.int64), torch.as_tensor(np.array(lists, np.int64)).to(device))
+        index._reset_rows(tensors, np.asarray(ids, np.int64), torch.as_tensor(np.array(lists, np.int64)).to(device))
         return index
 
     def _check_loaded(self, arrays: dict[str, np.ndarray], ids: np.ndarray, center: np.ndarray | None) -> None:
