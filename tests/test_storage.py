@@ -152,6 +152,10 @@ def _forge(path, header: dict, payload: bytes = b"") -> None:
     ({"name": "a", "dtype": "<U4", "shape": [1], "offset": 0, "nbytes": 16}, "corrupt array table"),
     ({"name": "a", "dtype": "<f4", "shape": [-4], "offset": 0, "nbytes": 16}, "corrupt array table"),
     ({"name": "a", "dtype": "<f4", "shape": [4], "offset": 0, "nbytes": 16, "x": 1}, "corrupt array table"),
+    ({"name": "a", "dtype": ["<f4"], "shape": [4], "offset": 0, "nbytes": 16}, "corrupt array table"),  # unhashable
+    ({"name": "a", "dtype": {"<f4": 1}, "shape": [4], "offset": 0, "nbytes": 16}, "corrupt array table"),
+    ({"name": "a", "dtype": "<f4", "shape": [0] * 33, "offset": 0, "nbytes": 0}, "corrupt array table"),
+    ({"name": "a", "dtype": "<f4", "shape": [0, 2**62], "offset": 0, "nbytes": 0}, "corrupt array table"),
 ])
 def test_header_lying_about_sizes(tmp_path, entry, match):
     path = tmp_path / "forged"

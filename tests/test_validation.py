@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tqvec import TurboQuantizer
-from tqvec.validation import as_float_matrix, as_ids, check_bits, check_choice, check_positive_int
+from tqvec.validation import (MAX_ID, MAX_SEED, MAX_SQUARED_NORM, as_device, as_float_matrix, as_ids, check_bits,
+                              check_choice, check_positive_int, check_seed)
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -130,11 +131,13 @@ def test_as_float_matrix() -> None:
 
 
 def test_finiteness_check_fast_path_is_exact() -> None:
-    """Finite entries whose float32 sum overflows are accepted (the exact check runs after a non-finite sum);
-    a single NaN, +inf or −inf anywhere is rejected, also where +inf and −inf would cancel to NaN."""
+    """A single NaN, +inf or −inf anywhere is rejected, also where +inf and −inf would cancel to NaN; a row whose
+    squared norm overflows float32 scoring is rejected with its number (issue 20, item 1), while rows that only
+    the cheap bound (d · max|x|²) flags, but whose exact norms fit, are accepted."""
     big = np.full((4, 3), 3e38, np.float32)
-    assert torch.equal(as_float_matrix(big, 3), torch.from_numpy(big))
-    assert as_float_matrix(-big, 3).shape == (4, 3)
+    for x in (big, -big):
+        with pytest.raises(ValueError, match="x row 0 has squared L2 norm"):
+            as_float_matrix(x, 3)
     for bad in ([np.nan], [np.inf], [-np.inf], [np.inf, -np.inf]):
         x = np.ones((5, 3), np.float32)
         x.flat[[4, 11][: len(bad)]] = bad
@@ -142,6 +145,25 @@ def test_finiteness_check_fast_path_is_exact() -> None:
             as_float_matrix(x, 3)
         with pytest.raises(ValueError, match="NaN or Inf"):
             as_float_matrix(torch.from_numpy(x).double(), 3)
+    with pytest.raises(ValueError, match="NaN or Inf"):  # beyond float32's range
+        as_float_matrix(np.full((1, 3), 1e39), 3)
+    edge = np.zeros((3, 3), np.float32)
+    edge[0, 0] = edge[1, 1] = -8e17  # 6.4e35 per row, but 3 · (8e17)² = 1.9e36 > MAX_SQUARED_NORM
+    assert torch.equal(as_float_matrix(edge, 3), torch.from_numpy(edge))
+    edge[2] = 8e17  # 3 · 6.4e35 in one row
+    with pytest.raises(ValueError, match="x row 2 has squared L2 norm 1.92e\\+36"):
+        as_float_matrix(edge, 3)
+    assert 3 * 8e17**2 > MAX_SQUARED_NORM > 8e17**2
+
+
+def test_requires_grad_is_detached() -> None:
+    x = torch.ones(2, 3, requires_grad=True)
+    out = as_float_matrix(x, 3)
+    assert not out.requires_grad and out.grad_fn is None
+
+
+def test_longdouble_becomes_float32() -> None:
+    assert as_float_matrix(np.ones((2, 3), np.longdouble), 3).dtype == torch.float32
 
 
 def test_check_helpers() -> None:
@@ -166,3 +188,18 @@ def test_as_ids() -> None:
         as_ids([1.5])
     with pytest.raises(ValueError, match="expected 3"):
         as_ids([1, 2], n=3)
+    for bad in ([-1], [2**63 - 1], [2**63], np.array([2**64 - 1], np.uint64), [2**80], np.array([-3], np.int16)):
+        with pytest.raises(ValueError, match=r"ids must lie in \[0, 9223372036854775806\]"):
+            as_ids(bad)
+    assert as_ids(np.array([MAX_ID], np.uint64)).tolist() == [MAX_ID]
+
+
+def test_check_seed_and_device() -> None:
+    assert check_seed(0) == 0 and check_seed(np.int64(MAX_SEED)) == MAX_SEED
+    for bad in (-1, MAX_SEED + 1, 2**64, 1.0, True, "1"):
+        with pytest.raises(ValueError, match="seed must be an integer"):
+            check_seed(bad)
+    assert as_device("cpu") == torch.device("cpu")
+    for bad in ("cuda:99", "nonsense", "meta"):
+        with pytest.raises(ValueError, match="device"):
+            as_device(bad)

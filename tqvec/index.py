@@ -62,7 +62,9 @@ from . import scan, storage
 from .packing import Layout, layout_for_bytes, read_tail, write_tail
 from .quantizer import Codes, TurboQuantizer
 from .rotation import rotated_dim, rowwise_matmul
-from .validation import as_float_matrix, as_ids, check_bits, check_choice, check_positive_int
+from .validation import (MAX_ID, MAX_SQUARED_NORM, as_device, as_float_matrix, as_ids, check_array, check_bits,
+                         check_choice, check_file_ids, check_meta, check_positive_int, check_row_budget, check_row_norms,
+                         check_seed)
 
 METRICS = ("ip", "l2", "cosine")
 CORRECTIONS = ("auto", "none", "rescale", "center")
@@ -151,6 +153,9 @@ def new_ids(ids: Any, n: int, next_id: int, table: tuple[np.ndarray, np.ndarray]
     """Ids ``(n,)`` int64 for ``n`` added vectors: ``ids`` checked (``ValueError`` on a duplicate or an id in
     ``table``), or consecutive from ``next_id`` when None."""
     if ids is None:
+        if next_id + n - 1 > MAX_ID:
+            raise ValueError(f"automatic ids are used up: {n} more after {next_id - 1} would pass the largest id "
+                             f"{MAX_ID}; pass ids explicitly")
         return np.arange(next_id, next_id + n, dtype=np.int64)
     new = as_ids(ids, n)
     if len(np.unique(new)) != n:
@@ -162,18 +167,35 @@ def new_ids(ids: Any, n: int, next_id: int, table: tuple[np.ndarray, np.ndarray]
 
 
 def search_results(
-    metric: str, q: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor, ids: np.ndarray,
+    metric: str, q: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor, ids: np.ndarray, k: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """FAISS-style ``(D, I)`` float32 / int64 ``(nq, k)`` from estimated inner products ``scores`` of queries ``q`` and
     their ``rows`` (−1: no result, given D ``±inf`` and I −1), ``ids[row]`` the stored id. L2 distances are the
     estimates ``‖q‖² − 2·score``, not clamped at 0: at low rates they can fall far below (−49 at 1.5 bits in
-    ``tests/test_index.py``), and clamping would flatten the ranking D reports."""
+    ``tests/test_index.py``), and clamping would flatten the ranking D reports.
+
+    A NaN estimate (which validated inputs and files cannot produce) never ranks first: such entries move,
+    in order, to the end of their row (where numpy's sort puts NaN), behind every number and the padding.
+
+    ``k`` (≥ the columns of ``scores``): pad the results to ``k`` columns with ∓inf / −1, so that a search may
+    scan for at most ``ntotal`` results and still answer ``k`` (FAISS's convention)."""
     rows_np = rows.cpu().numpy()
     labels = np.where(rows_np >= 0, ids[rows_np.clip(0)] if len(ids) else -1, -1)
     if metric == "l2":
-        distances = ((q * q).sum(1, keepdim=True) - 2 * scores).masked_fill(rows < 0, float("inf"))
-        return distances.cpu().numpy().astype(np.float32), labels
-    return scores.masked_fill(rows < 0, float("-inf")).cpu().numpy().astype(np.float32), labels
+        values = ((q * q).sum(1, keepdim=True) - 2 * scores).masked_fill(rows < 0, float("inf"))
+    else:
+        values = scores.masked_fill(rows < 0, float("-inf"))
+    distances = values.cpu().numpy().astype(np.float32)
+    nan = np.isnan(distances)
+    if nan.any():
+        order = np.argsort(nan, axis=1, kind="stable")
+        distances, labels = np.take_along_axis(distances, order, 1), np.take_along_axis(labels, order, 1)
+    if k is not None and k > distances.shape[1]:
+        pad = k - distances.shape[1]
+        fill = np.float32(np.inf if metric == "l2" else -np.inf)
+        distances = np.concatenate([distances, np.full((len(distances), pad), fill, np.float32)], 1)
+        labels = np.concatenate([labels, np.full((len(labels), pad), -1, np.int64)], 1)
+    return distances, labels
 
 
 class CodedRows:
@@ -262,6 +284,8 @@ class Index(CodedRows):
         self.mode = check_choice("mode", mode, ("mse", "prod"))
         check_choice("correction", correction, CORRECTIONS)
         check_choice("rotation", rotation, ("haar", "hadamard"))
+        seed = check_seed(seed)
+        device = as_device(device)
         self.row_bytes = math.ceil(self.dim * self.bits / 8)
         side_fits = self._side_bytes(_side_fields(metric, mode, "center")) <= AUTO_SIDE_SHARE * self.row_bytes
         low_cosine = metric == "cosine" and self.bits < AUTO_RESCALE_MIN_BITS
@@ -553,12 +577,19 @@ class Index(CodedRows):
 
     @classmethod
     def load(cls, path: str | os.PathLike, mmap: bool = False, device: str | torch.device = "cpu") -> "Index":
-        """Open an index written by :meth:`save`; ``mmap=True`` maps the arrays read-only instead of reading them."""
+        """Open an index written by :meth:`save`; ``mmap=True`` maps the arrays read-only instead of reading them.
+
+        Raises :class:`~tqvec.storage.StorageError` for any file that is not a consistent index (header and
+        arrays are checked against each other before the configuration is built; docs/guarantees.md),
+        ``FileNotFoundError`` if there is none. A file mapped with ``mmap=True`` must not be truncated while
+        the index is in use (the OS then kills the process with SIGBUS).
+        """
         meta, arrays = storage.load_arrays(path, FILE_KIND, mmap=mmap)
         version = meta.get("version")
         if version not in (1, FILE_VERSION):
             raise storage.StorageError(f"{path}: unsupported index version {version!r}")
         try:
+            ids, center = _check_file(meta, arrays, version)
             index = cls(meta["dim"], meta["bits"], meta["metric"], meta["mode"], meta["seed"], meta["rotation"],
                         meta["correction"], meta["rerank_bits"], device)
             if version == 1 and index.tail_bits:
@@ -568,29 +599,71 @@ class Index(CodedRows):
                     "so the file cannot be read: rebuild the index from the vectors")
             if version == FILE_VERSION and meta["tail_bits"] != index.tail_bits:
                 raise ValueError(f"tail_bits {meta['tail_bits']!r} in the header, {index.tail_bits} for this configuration")
-            ids = np.asarray(arrays.pop("ids"), dtype=np.int64)
-            center = arrays.pop("center", None)
+            arrays = {name: a for name, a in arrays.items() if name not in ("ids", "center")}
+            index._check_loaded(arrays, ids, center)
             with warnings.catch_warnings():  # read-only mmap arrays: tensors over them are never written
                 warnings.simplefilter("ignore", UserWarning)
                 tensors = {name: torch.as_tensor(arr).to(device) for name, arr in arrays.items()}
-            index._check_loaded(tensors, ids, center)
         except (KeyError, TypeError, ValueError) as err:
+            if isinstance(err, storage.StorageError):
+                raise
             raise storage.StorageError(f"{path}: inconsistent index file ({err})") from err
         index._center = None if center is None else torch.as_tensor(np.array(center, np.float32)).to(device)
-        index._center_pending = bool(meta["center_pending"])
-        index._next_id = int(meta["next_id"])
-        index._rows = _Rows(tensors, ids, len(ids))
+        index._center_pending = meta["center_pending"]
+        index._next_id = meta["next_id"]
+        index._rows = _Rows(tensors, np.asarray(ids, np.int64), len(ids))
         return index
 
-    def _check_loaded(self, tensors: dict[str, torch.Tensor], ids: np.ndarray, center: np.ndarray | None) -> None:
-        expected = self._empty_tensors()
-        if set(tensors) != set(expected):
-            raise ValueError(f"arrays {sorted(tensors)} do not match the configuration's {sorted(expected)}")
-        for name, t in tensors.items():
-            want = (len(ids), *expected[name].shape[1:])
-            if tuple(t.shape) != want or t.dtype != expected[name].dtype:
-                raise ValueError(f"array {name!r} is {t.dtype} {tuple(t.shape)}, expected {expected[name].dtype} {want}")
-        if len(np.unique(ids)) != len(ids):
-            raise ValueError("duplicate ids")
-        if center is not None and tuple(center.shape) != (self.dim,):
-            raise ValueError(f"center has shape {center.shape}, expected ({self.dim},)")
+    def _check_loaded(self, arrays: dict[str, np.ndarray], ids: np.ndarray, center: np.ndarray | None) -> None:
+        """Row ``arrays`` of a file against this (freshly built) configuration; ``ValueError`` on any mismatch."""
+        check_rows(arrays, self._empty_tensors(), len(ids))
+        if center is not None and self.correction != "center":
+            raise ValueError(f"a center is stored without correction='center' ({self.correction!r})")
+
+
+def _check_file(meta: dict, arrays: dict[str, np.ndarray], version: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Header fields and arrays of an ``Index`` file, checked against each other before the index is built
+    (``ValueError``). Returns ``(ids, center)``."""
+    dim = check_meta(meta, "dim", int)
+    check_positive_int("dim", dim)
+    bits = check_bits(check_meta(meta, "bits", (int, float)))
+    for name in ("metric", "mode", "rotation", "correction"):
+        check_meta(meta, name, str)
+    check_seed(check_meta(meta, "seed", int))
+    check_meta(meta, "rerank_bits", (int, float, type(None)))
+    pending = check_meta(meta, "center_pending", bool)
+    if version == FILE_VERSION:
+        check_meta(meta, "tail_bits", int)
+    ids = check_array(arrays, "ids", "<i8", (None,))
+    check_file_ids(ids, check_meta(meta, "next_id", int))
+    check_row_budget(arrays, ("packed", "qjl", *SIDE_NAMES), dim, bits)
+    center = None
+    if "center" in arrays:
+        center = check_array(arrays, "center", "<f4", (dim,), bound=math.sqrt(MAX_SQUARED_NORM))
+        check_row_norms(torch.from_numpy(np.array(center, np.float32)).reshape(1, -1), "center")
+        if pending:
+            raise ValueError("a stored center while center_pending is set")
+    elif meta["correction"] == "center" and not pending and len(ids):
+        raise ValueError("rows encoded against a center that the file lacks")
+    if pending and len(ids):
+        raise ValueError("center_pending is set but the file holds vectors")
+    return ids, center
+
+
+#: per-vector side fields any configuration may store (:func:`_side_fields`)
+SIDE_NAMES = ("scale", "bias", "residual")
+#: magnitude limits of stored float side fields: a scale or QJL norm is at most about a vector's norm (≤ 2**60
+#: after :func:`~tqvec.validation.as_float_matrix`), a bias about its squared norm
+SIDE_BOUNDS = {"scale": 2.0**64, "residual": 2.0**64, "fine_scale": 2.0**64, "bias": 2.0**122}
+
+
+def check_rows(arrays: dict[str, np.ndarray], expected: dict[str, torch.Tensor], n: int) -> None:
+    """The row arrays of a file: exactly the names, dtypes and widths of ``expected`` (zero-row tensors of the
+    configuration), ``n`` rows each, float side fields finite and within :data:`SIDE_BOUNDS`."""
+    if set(arrays) != set(expected):
+        raise ValueError(f"arrays {sorted(arrays)} do not match the configuration's {sorted(expected)}")
+    for name, a in arrays.items():
+        want = expected[name]
+        dtype = np.dtype(torch.empty(0, dtype=want.dtype).numpy().dtype).newbyteorder("<").str
+        check_array(arrays, name, dtype, (n, *want.shape[1:]),
+                    bound=SIDE_BOUNDS.get(name, 2.0**122) if want.dtype.is_floating_point else None)

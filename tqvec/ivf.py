@@ -51,10 +51,12 @@ import numpy as np
 import torch
 
 from . import _fastscan, scan, storage
-from .index import CORRECTIONS, METRICS, CodedRows, new_ids, rows_of_ids, search_results, sort_ids
+from .index import (CORRECTIONS, METRICS, SIDE_NAMES, CodedRows, check_rows, new_ids, rows_of_ids, search_results,
+                    sort_ids)
 from .quantizer import Codes, TurboQuantizer
 from .rotation import rowwise_matmul
-from .validation import as_float_matrix, as_ids, check_bits, check_choice, check_positive_int
+from .validation import (MAX_SQUARED_NORM, as_device, as_float_matrix, as_ids, check_array, check_bits, check_choice,
+                         check_file_ids, check_meta, check_positive_int, check_row_budget, check_row_norms, check_seed)
 
 ENCODINGS = ("residual", "direct")
 #: "auto" picks "center" when scale + bias take at most this share of the budget. IVF's own rule: on GloVe-50
@@ -68,6 +70,8 @@ MAX_POINTS_PER_LIST = 256
 #: auto-training on the first ``add`` needs at least this many rows per list (FAISS warns below it)
 MIN_POINTS_PER_LIST = 39
 KMEANS_ITERATIONS = 20
+#: most scores (rows × nlist, float32) that assigning vectors to lists holds at once: 16 MiB
+ASSIGN_BLOCK_SCORES = 1 << 22
 #: the one-query-at-a-time path is used while ``nq · GATHER_RATIO ≤`` the number of distinct probed lists
 GATHER_RATIO = 4
 
@@ -119,14 +123,19 @@ def kmeans(x: torch.Tensor, k: int, iterations: int = KMEANS_ITERATIONS, seed: i
     return centroids
 
 
-def _assign(x: torch.Tensor, centroids: torch.Tensor, by_ip: bool, block: int = 65536) -> torch.Tensor:
-    """Nearest centroid of each row of ``x`` ``(n, d)`` → ``(n,)`` int64 (blockwise)."""
+def _assign(x: torch.Tensor, centroids: torch.Tensor, by_ip: bool) -> torch.Tensor:
+    """Nearest centroid of each row of ``x`` ``(n, d)`` → ``(n,)`` int64.
+
+    Blockwise: at most :data:`ASSIGN_BLOCK_SCORES` scores (rows × nlist) exist at a time, so memory stays
+    bounded whatever ``n`` and ``nlist`` (training calls this every k-means iteration).
+    """
     half_sq = 0.5 * (centroids * centroids).sum(1)
-    out = []
+    out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+    block = max(1, ASSIGN_BLOCK_SCORES // max(1, centroids.shape[0]))
     for start in range(0, x.shape[0], block):
         s = rowwise_matmul(x[start:start + block], centroids.T)
-        out.append((s if by_ip else s - half_sq).argmax(1))
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64, device=x.device)
+        out[start:start + block] = (s if by_ip else s - half_sq).argmax(1)
+    return out
 
 
 class IVFIndex(CodedRows):
@@ -162,7 +171,8 @@ class IVFIndex(CodedRows):
         self.encoding = check_choice("encoding", encoding, ENCODINGS)
         check_choice("correction", correction, CORRECTIONS)
         self.nprobe = check_positive_int("nprobe", nprobe)
-        self.seed = int(seed)
+        self.seed = seed = check_seed(seed)
+        device = as_device(device)
         self.side_dtype = torch.float16 if metric == "cosine" else torch.float32
         self.row_bytes = math.ceil(self.dim * self.bits / 8)
         if correction == "auto":
@@ -561,45 +571,73 @@ class IVFIndex(CodedRows):
     @classmethod
     def load(cls, path: str | os.PathLike, mmap: bool = False, device: str | torch.device = "cpu") -> "IVFIndex":
         """Open an index written by :meth:`save`; ``mmap=True`` maps the row arrays read-only instead of reading
-        them (later adds copy them first, removes build new ones)."""
+        them (later adds copy them first, removes build new ones).
+
+        Raises :class:`~tqvec.storage.StorageError` for any file that is not a consistent index (header and arrays
+        are checked against each other before the configuration is built; docs/guarantees.md),
+        ``FileNotFoundError`` if there is none. A mapped file must not be truncated while in use (SIGBUS).
+        """
         meta, arrays = storage.load_arrays(path, FILE_KIND, mmap=mmap)
         if meta.get("version") != FILE_VERSION:
             raise storage.StorageError(f"{path}: unsupported index version {meta.get('version')!r}")
         try:
+            ids, lists, centroids, center = _check_file(meta, arrays)
             index = cls(meta["dim"], meta["nlist"], meta["bits"], meta["metric"], meta["mode"], meta["encoding"],
                         meta["seed"], meta["rotation"], meta["correction"], meta["rerank_bits"], meta["nprobe"], device)
-            ids = np.asarray(arrays.pop("ids"), dtype=np.int64)
-            lists = torch.as_tensor(np.asarray(arrays.pop("lists"), dtype=np.int64)).to(device)
-            centroids, center = arrays.pop("centroids", None), arrays.pop("center", None)
+            arrays = {name: a for name, a in arrays.items() if name not in ("ids", "lists", "centroids", "center")}
+            index._check_loaded(arrays, ids, center)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 tensors = {name: torch.as_tensor(arr).to(device) for name, arr in arrays.items()}
-            index._check_loaded(tensors, ids, lists, centroids, center)
         except (KeyError, TypeError, ValueError) as err:
+            if isinstance(err, storage.StorageError):
+                raise
             raise storage.StorageError(f"{path}: inconsistent index file ({err})") from err
         index.centroids = None if centroids is None else torch.as_tensor(np.array(centroids, np.float32)).to(device)
         index._center = None if center is None else torch.as_tensor(np.array(center, np.float32)).to(device)
-        index._center_pending = bool(meta["center_pending"])
-        index._next_id = int(meta["next_id"])
-        index._reset_rows(tensors, ids, lists)
+        index._center_pending = meta["center_pending"]
+        index._next_id = meta["next_id"]
+        index._reset_rows(tensors, np.asarray(ids, np.int64), torch.as_tensor(np.array(lists, np.int64)).to(device))
         return index
 
-    def _check_loaded(self, tensors: dict[str, torch.Tensor], ids: np.ndarray, lists: torch.Tensor,
-                      centroids: np.ndarray | None, center: np.ndarray | None) -> None:
-        expected = self._empty_tensors()
-        if set(tensors) != set(expected):
-            raise ValueError(f"arrays {sorted(tensors)} do not match the configuration's {sorted(expected)}")
-        for name, t in tensors.items():
-            want = (len(ids), *expected[name].shape[1:])
-            if tuple(t.shape) != want or t.dtype != expected[name].dtype:
-                raise ValueError(f"array {name!r} is {t.dtype} {tuple(t.shape)}, expected {expected[name].dtype} {want}")
-        if len(np.unique(ids)) != len(ids):
-            raise ValueError("duplicate ids")
-        if tuple(lists.shape) != (len(ids),) or (len(ids) and (int(lists.min()) < 0 or int(lists.max()) >= self.nlist)):
-            raise ValueError(f"list numbers must be ({len(ids)},) in [0, {self.nlist})")
-        if centroids is None and len(ids):
-            raise ValueError("vectors without centroids")
-        if centroids is not None and tuple(centroids.shape) != (self.nlist, self.dim):
-            raise ValueError(f"centroids have shape {centroids.shape}, expected ({self.nlist}, {self.dim})")
-        if center is not None and tuple(center.shape) != (self.dim,):
-            raise ValueError(f"center has shape {center.shape}, expected ({self.dim},)")
+    def _check_loaded(self, arrays: dict[str, np.ndarray], ids: np.ndarray, center: np.ndarray | None) -> None:
+        """Row ``arrays`` of a file against this (freshly built) configuration; ``ValueError`` on any mismatch."""
+        check_rows(arrays, self._empty_tensors(), len(ids))
+        if center is not None and not (self.encoding == "direct" and self.correction == "center"):
+            raise ValueError("a center is stored, but only direct encoding with correction='center' uses one")
+
+
+def _check_file(meta: dict, arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None,
+                                                                    np.ndarray | None]:
+    """Header fields and arrays of an ``IVFIndex`` file, checked against each other before the index is built
+    (``ValueError``). Returns ``(ids, lists, centroids, center)``."""
+    dim = check_positive_int("dim", check_meta(meta, "dim", int))
+    nlist = check_positive_int("nlist", check_meta(meta, "nlist", int))
+    check_positive_int("nprobe", check_meta(meta, "nprobe", int))
+    bits = check_bits(check_meta(meta, "bits", (int, float)))
+    for name in ("metric", "mode", "encoding", "rotation", "correction"):
+        check_meta(meta, name, str)
+    check_seed(check_meta(meta, "seed", int))
+    check_meta(meta, "rerank_bits", (int, float, type(None)))
+    pending = check_meta(meta, "center_pending", bool)
+    ids = check_array(arrays, "ids", "<i8", (None,))
+    check_file_ids(ids, check_meta(meta, "next_id", int))
+    lists = check_array(arrays, "lists", "<i4", (len(ids),))
+    if len(lists) and (int(lists.min()) < 0 or int(lists.max()) >= nlist):
+        raise ValueError(f"list numbers must lie in [0, {nlist})")
+    check_row_budget(arrays, ("packed", "qjl", *SIDE_NAMES), dim, bits)
+    centroids = None
+    if "centroids" in arrays:
+        centroids = check_array(arrays, "centroids", "<f4", (nlist, dim), bound=math.sqrt(MAX_SQUARED_NORM))
+        check_row_norms(torch.from_numpy(np.array(centroids)), "centroids")
+    elif len(ids):
+        raise ValueError("vectors without centroids")
+    center = None
+    if "center" in arrays:
+        center = check_array(arrays, "center", "<f4", (dim,), bound=math.sqrt(MAX_SQUARED_NORM))
+        check_row_norms(torch.from_numpy(np.array(center, np.float32)).reshape(1, -1), "center")
+        if pending:
+            raise ValueError("a stored center while center_pending is set")
+    if pending and len(ids):
+        raise ValueError("center_pending is set but the file holds vectors")
+    return ids, lists, centroids, center

@@ -22,7 +22,14 @@ fixed list of plain numeric types (bool, signed/unsigned ints, floats, complex),
 
 Loading never unpickles or evaluates anything: the header is parsed with ``json`` and arrays are raw
 bytes reinterpreted as a whitelisted dtype, so an untrusted file can at worst raise
-:class:`StorageError`.
+:class:`StorageError`. Only regular files are opened (a FIFO or device raises at once instead of
+blocking), and every array must lie inside the payload, so what loading allocates is bounded by the
+file's size. What the arrays mean is checked by the loaders (``Index.load``, ``IVFIndex.load``).
+
+Temporary files. A save writes ``.NAME.<12 hex>.tmp`` beside ``NAME`` and holds an exclusive
+``flock`` on it until the rename. A crash leaves the file behind; the next save to the same ``NAME``
+(or :func:`remove_stale_temps`) deletes every such sibling whose lock it can take, i.e. whose writer
+is gone, and never one that a live writer, in any process, still holds.
 """
 from __future__ import annotations
 
@@ -31,7 +38,9 @@ import json
 import math
 import mmap as _mmap
 import os
+import re
 import secrets
+import stat
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -50,6 +59,13 @@ _ALLOWED_DTYPES = frozenset(
     for t in ("?", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16")
 )
 _ENTRY_KEYS = {"name", "dtype", "shape", "offset", "nbytes"}
+_MAX_NDIM = 32  # numpy's limit is 64; tqvec stores at most 2-D arrays
+_TEMP_HEX = 12  # hex digits of a temp file's random part (secrets.token_hex(6))
+
+try:  # POSIX advisory locks mark a temp file as in use by a live writer
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: stale temp files are left alone
+    fcntl = None
 
 
 class StorageError(ValueError):
@@ -138,20 +154,103 @@ def save_arrays(path: str | os.PathLike, kind: str, meta: dict, arrays: dict[str
 
 def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
     """Create ``path`` with ``write(binary file)``: temp file in the same folder, fsync, rename, fsync of the
-    folder. On any error the temp file is removed and whatever was at ``path`` before is left untouched."""
+    folder. On any error the temp file is removed and whatever was at ``path`` before is left untouched.
+
+    Stale temp files of earlier, crashed saves to ``path`` are removed first (:func:`remove_stale_temps`); this
+    save's own temp file stays locked until it has been renamed, so no concurrent cleaner can take it.
+    """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    remove_stale_temps(path)
+    tmp, fd = _create_temp(path)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)  # while the lock is held (closing the file releases it)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def _temp_pattern(path: Path) -> re.Pattern:
+    return re.compile(rf"\.{re.escape(path.name)}\.[0-9a-f]{{{_TEMP_HEX}}}\.tmp")
+
+
+def _create_temp(path: Path) -> tuple[Path, int]:
+    """A new exclusive temp file beside ``path`` and its fd, flock-ed (POSIX) so cleaners leave it alone.
+
+    A cleaner can delete the file between its creation and the lock; then the name no longer leads to the
+    locked file, and another name is tried.
+    """
+    for _ in range(100):
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(_TEMP_HEX // 2)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+        if fcntl is None:
+            return tmp, fd
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if _same_file(fd, tmp):
+                return tmp, fd
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+    raise OSError(f"could not create a temp file beside {path}")  # pragma: no cover - 100 lost races
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` (not followed if a link) is the file open as ``fd``."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+def remove_stale_temps(path: str | os.PathLike) -> int:
+    """Delete the temp files (``.NAME.<12 hex>.tmp``) that crashed saves to ``path`` left beside it; returns how many.
+
+    A temp file is removed only if it is a regular file whose ``flock`` can be taken at once: a live writer
+    (this process or another) holds its lock until the rename, and the lock dies with a crashed writer. The
+    file is unlinked while locked, after checking that its name still leads to it. No-op without ``flock``
+    (Windows) or when the folder cannot be listed.
+
+    >>> remove_stale_temps("/nonexistent/folder/index.tqv")
+    0
+    """
+    path = Path(path)
+    if fcntl is None:
+        return 0
+    pattern, removed = _temp_pattern(path), 0
+    try:
+        names = [e.name for e in os.scandir(path.parent) if pattern.fullmatch(e.name)]
+    except OSError:
+        return 0
+    for name in names:
+        candidate = path.parent / name
+        try:
+            fd = os.open(candidate, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a live writer holds it
+            if _same_file(fd, candidate):
+                candidate.unlink()
+                removed += 1
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
 
 
 # ---------------------------------------------------------------------------------------- load
@@ -195,8 +294,10 @@ def _check_entries(path: Path, entries: list, payload_nbytes: int) -> list[tuple
     out, names, end = [], set(), 0
     for e in entries:
         if not (isinstance(e, dict) and set(e) == _ENTRY_KEYS and isinstance(e["name"], str)
-                and e["dtype"] in _ALLOWED_DTYPES and isinstance(e["shape"], list)
-                and all(_is_count(s) for s in e["shape"]) and _is_count(e["offset"]) and _is_count(e["nbytes"])):
+                and isinstance(e["dtype"], str) and e["dtype"] in _ALLOWED_DTYPES
+                and isinstance(e["shape"], list) and len(e["shape"]) <= _MAX_NDIM
+                and all(_is_count(s) and s < 2**62 for s in e["shape"]) and _is_count(e["offset"])
+                and _is_count(e["nbytes"])):
             raise StorageError(f"{path}: corrupt array table entry {e!r}")
         name, dtype, shape = e["name"], np.dtype(e["dtype"]), tuple(e["shape"])
         if name in names:
@@ -233,9 +334,12 @@ def load_arrays(path: str | os.PathLike, kind: str, mmap: bool = False,
     a corrupt, truncated, foreign or unsupported file; ``FileNotFoundError`` if there is none.
     """
     path = Path(path)
-    with open(path, "rb") as f:
+    with _open_regular(path) as f:
         header, payload_start = _read_header(path, f)
-        buf = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_READ)
+        try:
+            buf = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_READ)
+        except (OSError, ValueError) as err:
+            raise StorageError(f"{path}: cannot be mapped ({err})") from err
     if verify:
         _verify(path, buf)
     if header["kind"] != kind:
@@ -243,6 +347,24 @@ def load_arrays(path: str | os.PathLike, kind: str, mmap: bool = False,
     entries = _check_entries(path, header["arrays"], header["payload_nbytes"])
     arrays = {}
     for name, dtype, shape, offset in entries:
-        a = np.frombuffer(buf, dtype, count=math.prod(shape), offset=payload_start + offset).reshape(shape)
+        try:
+            a = np.frombuffer(buf, dtype, count=math.prod(shape), offset=payload_start + offset).reshape(shape)
+        except ValueError as err:  # e.g. a zero-size shape whose other sides exceed numpy's limits
+            raise StorageError(f"{path}: array {name!r} of shape {shape} cannot be read ({err})") from err
         arrays[name] = a if mmap else a.copy()
     return header["meta"], arrays
+
+
+def _open_regular(path: Path) -> BinaryIO:
+    """``path`` opened for binary reading, if it is a regular file (``StorageError`` otherwise, without blocking on
+    a FIFO); ``FileNotFoundError`` if there is nothing."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_BINARY", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StorageError(f"{path}: not a regular file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
