@@ -392,8 +392,6 @@ def test_assignment_scores_are_blocked(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # ------------------------------------------------------------------------------ 8: absurd k
-@pytest.mark.xfail(strict=True, reason="needs the Index.search / IVFIndex.search change in the issue-20 report "
-                                       "(search methods are the lead's); remove this mark with it")
 @pytest.mark.parametrize("cls", [Index, IVFIndex])
 def test_k_beyond_ntotal_costs_only_the_padding(cls, monkeypatch: pytest.MonkeyPatch) -> None:
     import tqvec.scan as scan

@@ -515,10 +515,11 @@ class Index(CodedRows):
             published.scoring.append(self.quantizer.code_block(*self._side(live.tensors)))
         block = published.scoring[0]
         bias = block.bias
-        values, rows = scan.search(rotated, block, self.quantizer.table(self.device), k * (rerank or 1), projected)
+        depth = min(k * (rerank or 1), max(1, len(live.ids)))  # never more work than ntotal; the rest is padding
+        values, rows = scan.search(rotated, block, self.quantizer.table(self.device), depth, projected)
         if rerank is not None:
-            values, rows = self._rerank(shifted, live, bias, rows, k)
-        return search_results(self.metric, q, values + constant[:, None], rows, live.ids)
+            values, rows = self._rerank(shifted, live, bias, rows, min(k, depth))
+        return search_results(self.metric, q, values + constant[:, None], rows, live.ids, k=k)
 
     def score(self, queries: Any, ids: Any) -> np.ndarray:
         """The estimates ``search`` ranks by, for given ``ids``: ``(nq, len(ids))`` float32 scores

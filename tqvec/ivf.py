@@ -440,7 +440,7 @@ class IVFIndex(CodedRows):
         if self.metric == "cosine":
             q = torch.nn.functional.normalize(q, dim=1)
         snap, centroids, center = self._snap, self.centroids, self._center
-        nq, depth = q.shape[0], k * (rerank or 1)
+        nq, depth = q.shape[0], min(k * (rerank or 1), max(1, snap.size))  # never more work than ntotal
         if snap.size == 0 or centroids is None:
             values = torch.full((nq, k), float("-inf"), device=q.device)
             return search_results(self.metric, q, values, torch.full((nq, k), -1, dtype=torch.int64, device=q.device), snap.ids)
@@ -468,8 +468,8 @@ class IVFIndex(CodedRows):
         else:
             values, rows = self._search_lists(snap, rotated, projected, probe, constant, depth)
         if rerank is not None:
-            values, rows = self._rerank(q, snap, rows, k)
-        return search_results(self.metric, q, values, rows, snap.ids)
+            values, rows = self._rerank(q, snap, rows, min(k, depth))
+        return search_results(self.metric, q, values, rows, snap.ids, k=k)
 
     def _block(self, t: dict[str, torch.Tensor], extra_bias: torch.Tensor) -> scan.CodeBlock:
         """The scan's view of gathered rows ``t``, with ``extra_bias`` ``(n,)`` added to the stored bias."""
@@ -499,11 +499,12 @@ class IVFIndex(CodedRows):
 
     def _search_lists(self, snap: _Snapshot, rotated: torch.Tensor, projected: torch.Tensor | None,
                       probe: torch.Tensor, constant: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """List by list: every probed list is scanned once for all its queries; then per-query merge."""
+        """List by list: every probed list is scanned once for all its queries, its results merged at once into
+        each query's running top-``depth`` (memory ``nq × depth``, not ``nq × nprobe × depth``)."""
         nq, nprobe = probe.shape
         table = self.quantizer.table(self.device)
-        cand_v = torch.full((nq, nprobe, depth), float("-inf"), device=rotated.device)
-        cand_r = torch.full((nq, nprobe, depth), -1, dtype=torch.int64, device=rotated.device)
+        best_v = torch.full((nq, depth), float("-inf"), device=rotated.device)
+        best_r = torch.full((nq, depth), -1, dtype=torch.int64, device=rotated.device)
         flat = probe.flatten()
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.nlist).tolist()
@@ -516,15 +517,15 @@ class IVFIndex(CodedRows):
             members = snap.lists[l]
             if not len(members):
                 continue
-            qi, slot = pairs // nprobe, pairs % nprobe
+            qi = pairs // nprobe  # distinct: a query probes a list at most once
             t = {name: tensor.index_select(0, members) for name, tensor in snap.tensors.items() if not name.startswith("fine")}
             bias = torch.zeros(len(members), device=rotated.device)
             v, r = scan.search(rotated[qi], self._block(t, bias), table, depth, None if projected is None else projected[qi])
-            cand_v[qi, slot] = v + constant[qi, l][:, None]
-            cand_r[qi, slot] = torch.where(r >= 0, members[r.clamp_min(0)].long(), -1)
-        values, pos = torch.topk(cand_v.view(nq, -1), depth, dim=1)
-        rows = torch.gather(cand_r.view(nq, -1), 1, pos)
-        return values, rows.masked_fill(values == float("-inf"), -1)
+            merged_v = torch.cat([best_v[qi], v + constant[qi, l][:, None]], dim=1)
+            merged_r = torch.cat([best_r[qi], torch.where(r >= 0, members[r.clamp_min(0)].long(), -1)], dim=1)
+            top, pos = torch.topk(merged_v, depth, dim=1)
+            best_v[qi], best_r[qi] = top, torch.gather(merged_r, 1, pos)
+        return best_v, best_r.masked_fill(best_v == float("-inf"), -1)
 
     def _rerank(self, q: torch.Tensor, snap: _Snapshot, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rescore candidate ``rows`` ``(nq, R·k)`` against their decoded fine vectors; keep the best ``k``."""

@@ -215,7 +215,7 @@ def _search_torch(queries: torch.Tensor, block: CodeBlock, table: CodeTable, k: 
             q1 = min(q0 + query_chunk, nq)
             s = _block_scores(queries[q0:q1], None if projected is None else projected[q0:q1], rows, table)
             take = min(k, stop - start)
-            v, r = torch.topk(s, take, dim=1)
+            v, r = torch.topk(s.nan_to_num(nan=float("-inf")), take, dim=1)  # a NaN score never takes a slot
             merged_v = torch.cat([best_values[q0:q1], v], dim=1)
             merged_r = torch.cat([best_rows[q0:q1], r + start], dim=1)
             top_v, pos = torch.topk(merged_v, k, dim=1)
