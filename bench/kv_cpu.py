@@ -85,6 +85,17 @@ def _factories(cfg, names: list[str], window: int) -> dict[str, Callable[[], Cac
 
 
 # ---------------------------------------------------------------------------------------------------- bytes
+def _replay(cache: Cache, cfg, context: int, new_tokens: int) -> None:
+    """Feed ``cache`` what ``generate`` feeds it, without the model: per layer a ``context``-token prefill update, then
+    ``new_tokens`` one-token updates, of random float32 K/V with ``cfg``'s shapes (bytes held depend on shapes only)."""
+    g = torch.Generator().manual_seed(0)
+    shape = (1, cfg.num_key_value_heads, context, cfg.head_dim)
+    for step in range(1 + new_tokens):
+        t = context if step == 0 else 1
+        for layer in range(cfg.num_hidden_layers):
+            cache.update(torch.randn(*shape[:2], t, shape[3], generator=g), torch.randn(*shape[:2], t, shape[3], generator=g), layer)
+
+
 def measure_bytes(args) -> dict:
     model, tokenizer = ev.load_smollm2()
     model.set_attn_implementation("tqvec")  # plain-tensor caches fall back to SDPA inside it
@@ -92,12 +103,20 @@ def measure_bytes(args) -> dict:
     rows = {}
     for name, make in _factories(model.config, args.caches, args.window).items():
         cache = make()
-        with torch.no_grad():
-            model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
-                           cache=cache)
+        if args.source == "model":
+            with torch.no_grad():
+                model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
+                               cache=cache)
+        else:
+            _replay(cache, model.config, args.context, args.new_tokens)
         held = cache_nbytes(cache)
         rows[name] = {"bytes": held, "MiB": held / MiB, "tokens": cache.get_seq_length(),
                       "bytes_per_token": held / cache.get_seq_length()}
+        if isinstance(cache, TurboQuantCache):  # codes (allocated / valid) vs the full-precision sinks + window
+            layers = [layer for layer in cache.layers if hasattr(layer, "key_store")]
+            rows[name]["codes_MiB"] = sum(l.key_store.nbytes() + l.value_store.nbytes() for l in layers) / MiB
+            rows[name]["codes_used_MiB"] = sum(l.key_store.used_nbytes() + l.value_store.used_nbytes() for l in layers) / MiB
+            rows[name]["exact_tokens"] = layers[0].keys.shape[2] + layers[0].sink_keys.shape[2]
         print(f"{name:12s} {held / MiB:8.2f} MiB  {held / cache.get_seq_length():8.0f} B/token", flush=True)
     return rows
 
@@ -105,10 +124,17 @@ def measure_bytes(args) -> dict:
 def bytes_markdown(args, rows: dict, command: str) -> str:
     lines = ["| cache | MiB held | tokens | bytes/token (all held / all tokens) |", "|---|---|---|---|"]
     lines += [f"| {n} | {r['MiB']:.2f} | {r['tokens']} | {r['bytes_per_token']:.0f} |" for n, r in rows.items()]
+    for n, r in rows.items():
+        if "codes_MiB" in r:
+            lines += ["", f"{n}: codes {r['codes_MiB']:.2f} MiB allocated ({r['codes_used_MiB']:.2f} MiB valid), the rest "
+                          f"the {r['exact_tokens']} full-precision tokens (sinks + window) and the centering means."]
     return "\n".join([
         "# KV cache bytes held: SmolLM2-135M-Instruct (float32 compute), CPU", "",
         f"Command: `{command}`", "",
-        f"A {args.context}-token KJV prompt, then {args.new_tokens} greedy tokens (`model.generate`); bytes held by "
+        (f"A {args.context}-token KJV prompt, then {args.new_tokens} greedy tokens (`model.generate`)" if args.source == "model"
+         else f"SmolLM2's config; what `generate` feeds the cache replayed without running the model (`--source random`: per "
+              f"layer a {args.context}-token prefill update, then {args.new_tokens} one-token updates, random float32 "
+              "K/V of the model's shapes: the bytes held depend on shapes, not values)") + "; bytes held by "
         "the cache afterwards, all 30 layers, keys + values: TurboQuantCache `nbytes()` (codes at their allocated "
         "capacity, the float32 window of the newest tokens and the 4 sinks, centering means); quanto: packed data, "
         f"scales, zero-points and its float32 residual (residual_length {args.window}); DynamicCache: float32 K/V.",
@@ -224,6 +250,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="speed: rounds")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--source", choices=["model", "random"], default="model",
+                   help="bytes: K/V from the model's generate(), or random K/V of its shapes fed to cache.update")
     p.add_argument("--note", default="", help="memory: a sentence appended after the command in the .md")
     args = p.parse_args(argv)
     defaults = {"bytes": (["tqvec-4", "quanto-4", "dynamic"], 4096, 40),

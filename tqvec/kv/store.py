@@ -27,7 +27,7 @@ from .codec import HeadCodec
 #: growth beyond the tokens needed: at least this many tokens ...
 MIN_GROWTH = 64
 #: ... or this fraction (1 / GROWTH_DIVISOR) of them
-GROWTH_DIVISOR = 32
+GROWTH_DIVISOR = 128
 #: rows (batch × heads × tokens) encoded per slice by :meth:`CodeStore.append`
 ENCODE_ROWS = 8192
 
