@@ -18,8 +18,9 @@ Decode steps (one query token, one quantizer per side, ``mse`` keys) go instead 
 CPU, and on CUDA two fused split-sequence Triton kernels (:mod:`tqvec.kernels.attention`) that read the
 codes, the sinks and the window once, with no per-head Python loop.
 
-Masks: the registered mask function always materializes the boolean ``(b, 1, q, kv)`` mask
-(transformers' ``sdpa_mask`` without the causal skip), whose columns are absolute cache positions.
+Masks: the registered mask function is transformers' ``sdpa_mask`` with its causal skip, so a causal
+prefill without padding gets no mask and runs SDPA's causal path (no ``(b, 1, q, kv)`` boolean mask);
+mask columns are absolute cache positions.
 Layers whose cache is a plain tensor (sliding-window layers, or another cache class) fall back to
 transformers' SDPA attention.
 """
@@ -154,6 +155,9 @@ def compressed_attention(handle: CompressedKV, query: torch.Tensor, mask: torch.
 def tqvec_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, value, attention_mask: torch.Tensor | None,
                             scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``query`` ``(b, hq, q, d)`` → ``((b, q, hq, d), None)``."""
+    if kwargs.get("output_attentions"):
+        raise ValueError("output_attentions=True: the tqvec attention does not return attention weights (it never forms "
+                         "them over the compressed tokens); call the model with output_attentions=False")
     if not isinstance(key, CompressedKV):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if dropout:
@@ -164,6 +168,9 @@ def tqvec_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, v
         return sdpa_attention_forward(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask == 0
+    if attention_mask is None and query.shape[2] > 1:  # the causal skip (no padding): query i sees keys [0, past + i]
+        past = key.kv_length - query.shape[2]
+        attention_mask = torch.ones(query.shape[2], key.kv_length, dtype=torch.bool, device=query.device).tril(past)[None, None]
     if attention_mask is not None and attention_mask.shape[-1] != key.kv_length:
         raise ValueError(f"mask covers {attention_mask.shape[-1]} keys, the cache holds {key.kv_length}")
     step = decode_step(key, query, attention_mask, scaling)
@@ -175,8 +182,10 @@ def tqvec_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, v
 
 
 def tqvec_mask(*args, **kwargs) -> torch.Tensor | None:
-    """transformers' SDPA boolean mask, always materialized (tqvec attention has no implicit causal mode)."""
-    kwargs["allow_is_causal_skip"] = False
+    """transformers' SDPA boolean mask, with its causal skip: None where causality alone masks (no padding, and a
+    prefill without past tokens or a one-token step), so no ``(b, 1, q, kv)`` mask is materialized there. A prefill
+    then runs SDPA's causal path; a one-token step needs no mask; a multi-token step over compressed tokens builds its
+    own ``(q, kv)`` causal mask (:func:`tqvec_attention_forward`)."""
     return sdpa_mask(*args, **kwargs)
 
 

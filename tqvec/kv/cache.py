@@ -30,16 +30,33 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
-from .codec import HeadCodec
+from . import checks
+from .codec import SPLITS, HeadCodec
 from .store import CodeStore
 
 
-def _permute(x: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
-    """Gather channels of ``x`` ``(b, h, t, d)`` by ``perm`` ``(h, d)`` (identity when ``perm`` is None)."""
-    if perm is None:
-        return x
+KEY_MODES = ("mse", "prod")
+#: tokens (over all batch rows and heads: this many rows) reduced per slice by :func:`_channel_moments`
+MOMENT_ROWS = 8192
+
+
+def _channel_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (batch row, head) channel means ``(b, h, d)`` and per head the centered channel power ``(h, d)`` (float32).
+
+    The power is ``mean_{b, t} (x − mean)²`` (what :meth:`HeadCodec.choose_permutation` ranks), accumulated in
+    float64 over token slices of ``MOMENT_ROWS`` rows, so no float32 copy of the whole ``x`` is made.
+    """
     b, h, t, d = x.shape
-    return torch.gather(x, 3, perm[None, :, None, :].expand(b, h, t, d))
+    total = x.new_zeros((b, h, d), dtype=torch.float64)
+    squares = x.new_zeros((b, h, d), dtype=torch.float64)
+    step = max(1, MOMENT_ROWS // (b * h))
+    for start in range(0, t, step):
+        block = x[:, :, start:start + step].double()
+        total += block.sum(dim=2)
+        squares += block.square().sum(dim=2)
+    mean = total / t
+    power = (squares / t - mean.square()).clamp_min(0).mean(dim=0)
+    return mean.float(), power.float()
 
 
 @dataclass
@@ -67,6 +84,19 @@ class CompressedKV:
     def kv_length(self) -> int:
         return self.n_sinks + self.n_codes + self.keys.shape[2]
 
+    def __getattr__(self, name: str):
+        """Any tensor attribute (``shape``, ``dtype``, ``transpose``…) means another attention function got the handle.
+
+        Raises ``TypeError`` saying how to select the ``tqvec`` attention (dunder lookups stay ``AttributeError``,
+        so copy / pickle protocols behave as usual).
+        """
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise TypeError(
+            f"an attention function other than 'tqvec' read TurboQuantCache's compressed keys (it asked for .{name}): "
+            "a TurboQuantCache is read by the 'tqvec' attention only. Call model.set_attn_implementation('tqvec') "
+            "(registered by importing tqvec.kv) before running the model with this cache.")
+
 
 class TurboQuantLayer(CacheLayerMixin):
     """One full-attention layer: TurboQuant codes for old tokens, full precision for the newest ``window``."""
@@ -77,8 +107,11 @@ class TurboQuantLayer(CacheLayerMixin):
     def __init__(self, key_codec: HeadCodec, value_codec: HeadCodec, window: int = 128, sinks: int = 4,
                  compress_chunk: int = 16) -> None:
         super().__init__()
-        if window < 0 or sinks < 0 or compress_chunk < 1:
-            raise ValueError(f"need window >= 0, sinks >= 0, compress_chunk >= 1, got {window}, {sinks}, {compress_chunk}")
+        checks.check_int("window", window, 0)
+        checks.check_int("sinks", sinks, 0)
+        checks.check_int("compress_chunk", compress_chunk, 1)
+        if key_codec.head_dim != value_codec.head_dim:
+            raise ValueError(f"key_codec and value_codec must share head_dim, got {key_codec.head_dim} and {value_codec.head_dim}")
         self.key_codec, self.value_codec = key_codec, value_codec
         self.window, self.sinks, self.compress_chunk = int(window), int(sinks), int(compress_chunk)
         self._clear()
@@ -103,9 +136,16 @@ class TurboQuantLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[CompressedKV, CompressedKV]:
         """Append ``(b, h, t, d)`` keys/values; compress what leaves the window; return the read handle twice."""
         if not self.is_initialized:
+            self._check_states(key_states, value_states)
             self.lazy_initialization(key_states, value_states)
-        keys = torch.cat([self.keys, key_states], dim=2)
-        values = torch.cat([self.values, value_states], dim=2)
+        elif key_states.shape[-1] != self.keys.shape[-1] or key_states.shape[:2] != self.keys.shape[:2]:
+            self._check_states(key_states, value_states)
+            raise ValueError(f"key_states {tuple(key_states.shape)} do not extend the cached (batch, heads, tokens, head_dim) "
+                             f"{tuple(self.keys.shape)}")
+        if self.keys.shape[2]:
+            keys, values = torch.cat([self.keys, key_states], dim=2), torch.cat([self.values, value_states], dim=2)
+        else:  # nothing pending (a prefill): no copy
+            keys, values = key_states, value_states
         take = min(self.sinks - self.sink_keys.shape[2], keys.shape[2]) if self.key_store.length == 0 else 0
         if take > 0:  # the stream's first tokens become sinks (only before anything is compressed)
             self.sink_keys = torch.cat([self.sink_keys, keys[:, :, :take]], dim=2)
@@ -116,12 +156,26 @@ class TurboQuantLayer(CacheLayerMixin):
         if overflow >= self.compress_chunk:
             if self.key_mean is None:
                 self._init_statistics(keys, values)
-            self.key_store.append(_permute(keys[:, :, :overflow].float() - self.key_mean[:, :, None], self.key_perm))
-            self.value_store.append(_permute(values[:, :, :overflow].float() - self.value_mean[:, :, None], self.value_perm))
+            self.key_store.append(keys[:, :, :overflow], self.key_mean, self.key_perm, "key_states")
+            self.value_store.append(values[:, :, :overflow], self.value_mean, self.value_perm, "value_states")
             self.keys, self.values = keys[:, :, overflow:].clone(), values[:, :, overflow:].clone()
         else:
             self.keys, self.values = keys, values
         return handle, handle
+
+    def _check_states(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Shapes of an update: ``(b, h, t, head_dim)`` floats, ``head_dim`` the one the codecs were built for."""
+        for name, x in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(x, torch.Tensor) or x.ndim != 4 or not x.is_floating_point():
+                raise ValueError(f"{name} must be a (batch, heads, tokens, head_dim) float tensor, got "
+                                 f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+            if x.shape[-1] != self.key_codec.head_dim:
+                raise ValueError(
+                    f"config: the cache was built for head_dim {self.key_codec.head_dim}, but the model's {name} have "
+                    f"head_dim {x.shape[-1]}; build TurboQuantCache from the model's own config (model.config)")
+        if key_states.shape[:3] != value_states.shape[:3]:
+            raise ValueError(f"key_states {tuple(key_states.shape)} and value_states {tuple(value_states.shape)} differ "
+                             "in (batch, heads, tokens)")
 
     def _init_statistics(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Centering means ``(b, h, d)`` and outlier permutations ``(h, d)`` from all non-sink tokens present now.
@@ -129,12 +183,12 @@ class TurboQuantLayer(CacheLayerMixin):
         Any shift is exact for attention; with left padding the pad tokens enter these means (the cache does
         not see the padding mask), which raises a padded row's quantization error somewhat.
         """
-        self.key_mean = keys.float().mean(dim=2)
-        self.value_mean = values.float().mean(dim=2)
+        self.key_mean, key_power = _channel_moments(keys)
+        self.value_mean, value_power = _channel_moments(values)
         if self.key_codec.uses_outliers:
-            self.key_perm = self.key_codec.choose_permutation(keys.float() - self.key_mean[:, :, None])
+            self.key_perm = torch.argsort(key_power, dim=1, descending=True)
         if self.value_codec.uses_outliers:
-            self.value_perm = self.value_codec.choose_permutation(values.float() - self.value_mean[:, :, None])
+            self.value_perm = torch.argsort(value_power, dim=1, descending=True)
 
     # ------------------------------------------------------------------ sizes
     def get_seq_length(self) -> int:
@@ -223,9 +277,15 @@ class TurboQuantCache(Cache):
     def __init__(self, config, key_bits: float = 4, value_bits: float = 4, key_mode: str = "mse",
                  window: int = 128, sinks: int = 4, key_rescale: bool | None = None, value_rescale: bool = False,
                  split: str = "outlier", seed: int = 0, compress_chunk: int = 16) -> None:
+        text = checks.text_config(config)
+        key_bits, value_bits = checks.check_bits("key_bits", key_bits), checks.check_bits("value_bits", value_bits)
+        checks.check_choice("key_mode", key_mode, KEY_MODES)
+        checks.check_choice("split", split, SPLITS)
+        for name, value, low in (("window", window, 0), ("sinks", sinks, 0), ("compress_chunk", compress_chunk, 1),
+                                 ("seed", seed, 0)):
+            checks.check_int(name, value, low)
         if key_rescale is None:
             key_rescale = key_mode == "mse"
-        text = config.get_text_config(decoder=True)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         key_codec = HeadCodec(head_dim, key_bits, key_mode, key_rescale, split, seed)
         value_codec = HeadCodec(head_dim, value_bits, "mse", value_rescale, split, seed + 1000)
@@ -234,6 +294,14 @@ class TurboQuantCache(Cache):
                   else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw) for kind, kw in zip(layer_types, layer_kwargs)]
         super().__init__(layers=layers)
         self.key_codec, self.value_codec = key_codec, value_codec
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """``Cache.update``, with a clear error when the model has more layers than the config the cache was built from."""
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(
+                f"config: the cache was built for {len(self.layers)} layers, but the model updates layer {layer_idx}; "
+                "build TurboQuantCache from the model's own config (model.config)")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def nbytes(self) -> int:
         """Exact bytes held by all layers (compressed layers: codes + window + statistics)."""

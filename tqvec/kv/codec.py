@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..quantizer import TurboQuantizer
+from . import checks
 
 SPLITS = ("outlier", "rotated")
 
@@ -41,8 +42,9 @@ class HeadCodec:
 
     def __init__(self, head_dim: int, bits: float, mode: str = "mse", rescale: bool = False,
                  split: str = "outlier", seed: int = 0) -> None:
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        checks.check_choice("split", split, SPLITS)
+        checks.check_int("head_dim", head_dim, 1)
+        bits = checks.check_bits("bits", bits)
         self.head_dim, self.bits, self.mode = head_dim, float(bits), mode
         low = math.floor(bits)
         n_high = round((bits - low) * head_dim)

@@ -7,18 +7,29 @@ Per channel group ``g`` of the :class:`~tqvec.kv.codec.HeadCodec` the store hold
 * ``qjl[g]`` / ``rnorms[g]`` (``prod`` mode): ``(b, h, capacity, ceil(D/8))`` uint8 QJL signs and
   ``(b, h, capacity)`` float16 residual norms.
 
-Tokens ``[0, length)`` are valid. Capacity grows geometrically (×1.5, in steps of at least
-``MIN_GROWTH`` tokens) so appending one token per decode step costs amortized O(1) copies.
-:meth:`nbytes` counts the allocated capacity: it is exactly what the store holds in memory.
+Tokens ``[0, length)`` are valid. The first allocation is exact (a prefill); later growth reserves
+``max(MIN_GROWTH, needed // GROWTH_DIVISOR)`` tokens beyond what is needed, so the capacity stays within
+``MIN_GROWTH`` tokens or ``1 / GROWTH_DIVISOR`` of the contents (whichever is larger) and a growth, which copies the
+store, happens once per ``MIN_GROWTH`` appended tokens at most (a decode step compresses ``compress_chunk`` tokens at
+a time). :meth:`nbytes` counts the allocated capacity: it is exactly what the store holds in memory.
+
+:meth:`append` centers, permutes and encodes ``ENCODE_TOKENS``-token slices (over all batch rows and heads) straight
+into the reserved capacity, so its transient float32 buffers are bounded by one slice, not by the prefill's length.
 """
 from __future__ import annotations
 
 import torch
 
 from ..quantizer import Codes
+from .checks import check_finite
 from .codec import HeadCodec
 
-MIN_GROWTH = 256
+#: growth beyond the tokens needed: at least this many tokens ...
+MIN_GROWTH = 64
+#: ... or this fraction (1 / GROWTH_DIVISOR) of them
+GROWTH_DIVISOR = 128
+#: rows (batch × heads × tokens) encoded per slice by :meth:`CodeStore.append`
+ENCODE_ROWS = 8192
 
 
 class CodeStore:
@@ -30,38 +41,68 @@ class CodeStore:
         self.fields: list[dict[str, torch.Tensor]] = []
 
     # ------------------------------------------------------------------ writing
-    def append(self, x: torch.Tensor) -> None:
-        """Encode and append ``x`` ``(b, h, t, head_dim)`` (already centered and channel-permuted)."""
-        b, h, t, _ = x.shape
+    def append(self, x: torch.Tensor, mean: torch.Tensor | None = None, perm: torch.Tensor | None = None,
+               name: str = "x") -> None:
+        """Encode and append ``x`` ``(b, h, t, head_dim)`` (any float dtype) as ``permute(x − mean, perm)``.
+
+        ``mean``: ``(b, h, head_dim)`` float32 subtracted first (None: no centering); ``perm``: ``(h, head_dim)``
+        int64 channel order (None: identity). Raises ``ValueError`` naming ``name`` if ``x`` holds NaN or ±inf
+        (nothing is appended then).
+        """
+        b, h, t, d = x.shape
         if t == 0:
             return
-        parts = []
-        for g in self.codec.groups:
-            codes = g.quantizer.encode(x[..., g.start:g.stop].reshape(b * h * t, g.stop - g.start).float())
-            part = {"packed": codes.packed, "scales": codes.scales.half()}
-            if codes.qjl is not None:
-                part.update(qjl=codes.qjl, rnorms=codes.residual_norms.half())
-            parts.append({k: v.reshape(b, h, t, *v.shape[1:]) for k, v in part.items()})
-        self._reserve(self.length + t, parts)
-        for dst, src in zip(self.fields, parts):
-            for k, v in src.items():
-                dst[k][:, :, self.length:self.length + t] = v
+        check_finite(name, x)
+        self._reserve(self.length + t, b, h, x.device)
+        step = max(1, ENCODE_ROWS // (b * h))
+        for start in range(0, t, step):
+            stop = min(start + step, t)
+            block = x[:, :, start:stop].float()
+            if mean is not None:
+                block = block - mean[:, :, None]
+            if perm is not None:
+                block = torch.gather(block, 3, perm[None, :, None, :].expand(b, h, stop - start, d))
+            at = slice(self.length + start, self.length + stop)
+            for g, dst in zip(self.codec.groups, self.fields):
+                rows = block[..., g.start:g.stop].reshape(-1, g.stop - g.start).contiguous()
+                codes = g.quantizer.encode_checked(rows)
+                dst["packed"][:, :, at] = codes.packed.view(b, h, stop - start, -1)
+                dst["scales"][:, :, at] = codes.scales.view(b, h, stop - start).half()
+                if codes.qjl is not None:
+                    dst["qjl"][:, :, at] = codes.qjl.view(b, h, stop - start, -1)
+                    dst["rnorms"][:, :, at] = codes.residual_norms.view(b, h, stop - start).half()
         self.length += t
 
-    def _reserve(self, needed: int, like: list[dict[str, torch.Tensor]]) -> None:
-        capacity = self.fields[0]["packed"].shape[2] if self.fields else 0
+    def _empty_fields(self, b: int, h: int, capacity: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
+        """Zeroed buffers of ``capacity`` tokens for every group and field."""
+        out = []
+        for g in self.codec.groups:
+            q = g.quantizer
+            part = {"packed": torch.zeros((b, h, capacity, q.layout.row_bytes), dtype=torch.uint8, device=device),
+                    "scales": torch.zeros((b, h, capacity), dtype=torch.float16, device=device)}
+            if q.mode == "prod":
+                part["qjl"] = torch.zeros((b, h, capacity, -(-q.rotated_dim // 8)), dtype=torch.uint8, device=device)
+                part["rnorms"] = torch.zeros((b, h, capacity), dtype=torch.float16, device=device)
+            out.append(part)
+        return out
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the buffers can hold without growing."""
+        return self.fields[0]["packed"].shape[2] if self.fields else 0
+
+    def _reserve(self, needed: int, b: int, h: int, device: torch.device) -> None:
+        """Capacity for ``needed`` tokens: exact when empty, else ``needed + max(MIN_GROWTH, needed // GROWTH_DIVISOR)``."""
+        if self.fields and self.fields[0]["packed"].shape[:2] != (b, h):
+            raise ValueError(f"x has (batch, heads) {(b, h)}, the store holds {tuple(self.fields[0]['packed'].shape[:2])}")
+        capacity = self.capacity
         if needed <= capacity:
             return
-        new_cap = max(needed, int(capacity * 1.5), capacity + MIN_GROWTH) if capacity else needed
-        grown = []
-        for i, part in enumerate(like):
-            fresh = {}
-            for k, v in part.items():
-                buf = v.new_zeros((v.shape[0], v.shape[1], new_cap, *v.shape[3:]))
-                if self.fields:
-                    buf[:, :, :self.length] = self.fields[i][k][:, :, :self.length]
-                fresh[k] = buf
-            grown.append(fresh)
+        new_cap = needed if self.length == 0 else needed + max(MIN_GROWTH, needed // GROWTH_DIVISOR)
+        grown = self._empty_fields(b, h, new_cap, device)
+        for old, fresh in zip(self.fields, grown):
+            for k, v in old.items():
+                fresh[k][:, :, :self.length] = v[:, :, :self.length]
         self.fields = grown
 
     def truncate(self, length: int) -> None:

@@ -1,0 +1,126 @@
+"""TurboQuantCache in the hands of a new user: the default attention and bad arguments fail at once, clearly.
+
+A tiny randomly initialized Llama (2 layers, head_dim 16) stands in for a real model: what is tested is where and how
+the cache fails, not what the model says.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from tqvec.kv import TurboQuantCache  # noqa: E402
+
+
+def _config() -> LlamaConfig:
+    return LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+
+
+def _model(attn: str | None = None) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_config()).eval()
+    if attn is not None:
+        model.set_attn_implementation(attn)
+    return model
+
+
+IDS = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("attn", [None, "sdpa", "eager"])
+def test_other_attention_fails_at_first_call_saying_what_to_do(attn: str | None) -> None:
+    model = _model(attn)
+    with pytest.raises(TypeError, match=r"set_attn_implementation\('tqvec'\)"):
+        model(input_ids=IDS[:, :4], cache=TurboQuantCache(model.config, window=8, sinks=2))
+
+
+def test_tqvec_attention_runs_and_matches_dynamic_cache_at_8_bits() -> None:
+    """The control for the test above: the same call works once the tqvec attention is selected."""
+    model = _model("tqvec")
+    with torch.no_grad():
+        ref = model.generate(IDS, max_new_tokens=8, do_sample=False, cache=DynamicCache(config=model.config))
+        out = model.generate(IDS, max_new_tokens=8, do_sample=False,
+                             cache=TurboQuantCache(model.config, key_bits=8, value_bits=8, window=8, sinks=2))
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("bits,error,message", [
+    (8.5, ValueError, r"key_bits must lie in \[1, 8\].*8\.5"),
+    (0.5, ValueError, r"key_bits must lie in \[1, 8\].*0\.5"),
+    (math.nan, ValueError, r"key_bits must lie in \[1, 8\].*nan"),
+    (math.inf, ValueError, r"key_bits must lie in \[1, 8\]"),
+    ("4", TypeError, r"key_bits must be a number.*'4'"),
+    (True, TypeError, r"key_bits must be a number"),
+    (None, TypeError, r"key_bits must be a number"),
+])
+def test_bad_bits_name_the_argument(bits, error, message) -> None:
+    cfg = _config()
+    with pytest.raises(error, match=message):
+        TurboQuantCache(cfg, key_bits=bits)
+    with pytest.raises(error, match=message.replace("key_bits", "value_bits")):
+        TurboQuantCache(cfg, value_bits=bits)
+
+
+def test_edge_bits_are_accepted() -> None:
+    cfg = _config()
+    for bits in (1, 1.5, 8, 8.0):
+        assert TurboQuantCache(cfg, key_bits=bits, value_bits=bits).key_codec.bits == float(bits)
+
+
+@pytest.mark.parametrize("name,value,error", [
+    ("window", -1, ValueError), ("window", 2.0, TypeError), ("sinks", -1, ValueError),
+    ("compress_chunk", 0, ValueError), ("key_mode", "qjl", ValueError), ("split", "random", ValueError),
+])
+def test_bad_options_name_the_argument(name: str, value, error) -> None:
+    with pytest.raises(error, match=name):
+        TurboQuantCache(_config(), **{name: value})
+
+
+def test_config_none_or_the_model_itself() -> None:
+    model = _model()
+    with pytest.raises(TypeError, match="config must be a transformers PretrainedConfig, got NoneType"):
+        TurboQuantCache(None)
+    with pytest.raises(TypeError, match=r"config must be .*pass model.config, not the model.*LlamaForCausalLM"):
+        TurboQuantCache(model)
+
+
+def test_config_with_another_head_dim() -> None:
+    model = _model("tqvec")
+    other = copy.deepcopy(model.config)
+    other.head_dim = 32
+    with pytest.raises(ValueError, match=r"config: the cache was built for head_dim 32, but the model's key_states have "
+                                         r"head_dim 16"):
+        model(input_ids=IDS, cache=TurboQuantCache(other, window=8, sinks=2))
+
+
+def test_config_with_fewer_layers() -> None:
+    model = _model("tqvec")
+    other = copy.deepcopy(model.config)
+    other.num_hidden_layers = 1
+    with pytest.raises(ValueError, match=r"config: the cache was built for 1 layers, but the model updates layer 1"):
+        model(input_ids=IDS, cache=TurboQuantCache(other, window=8, sinks=2))
+
+
+def test_output_attentions_is_refused() -> None:
+    model = _model("tqvec")
+    with pytest.raises(ValueError, match="output_attentions=True"):
+        model(input_ids=IDS, cache=TurboQuantCache(model.config, window=8, sinks=2), output_attentions=True)
+
+
+def test_non_finite_states_are_refused_when_compressed() -> None:
+    cache = TurboQuantCache(_config(), window=8, sinks=2)
+    keys = torch.randn(1, 2, 40, 16)
+    values = torch.randn(1, 2, 40, 16)
+    keys[0, 1, 20, 3] = float("nan")
+    with pytest.raises(ValueError, match="key_states contains NaN or Inf"):
+        cache.update(keys, values, 0)
+    values[0, 0, 5, 0] = float("inf")
+    with pytest.raises(ValueError, match="value_states contains NaN or Inf"):
+        cache.update(torch.randn(1, 2, 40, 16), values, 1)
