@@ -25,8 +25,8 @@ from tqvec.datasets.registry import glove_split
 from tqvec.ivf import MIN_POINTS_PER_LIST
 
 ANNB = Path(__file__).resolve().parents[1] / "bench" / "annb"
-N_TRAIN = 2_000
-N_TEST = 30
+N_TRAIN = 1_500
+N_TEST = 20
 K = 10
 
 

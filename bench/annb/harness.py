@@ -15,8 +15,9 @@ What it does to the checkout (a clone of ``erikbern/ann-benchmarks``; nothing of
    harness never tries a download).
 3. ``definitions``: writes ``annb-definitions/{tqvec,faiss,hnswlib}/config.yml`` — tqvec's config and the
    harness's own faiss and hnswlib configs, restricted to faiss-ivf, faiss-ivfpqfs and hnswlib; ``--quick``
-   thins every query-argument list to at most ``QUICK_QUERY_ARGS`` values (ends kept) and hnswlib to
-   ``QUICK_HNSW_GROUPS``, so a KJV run fits in about 20 minutes on one busy CPU.
+   thins every query-argument list to at most ``QUICK_QUERY_ARGS`` values and the peers' constructor-argument
+   lists to ``QUICK_PEER_ARGS`` (ends kept; tqvec keeps every constructor), and hnswlib to ``QUICK_HNSW_GROUPS``,
+   so a KJV run with 500 test queries fits in about 20 minutes on one busy CPU.
 4. ``run.py --local --definitions annb-definitions --runs R`` under ``taskset -c CPU`` for each data set, then
    ``data_export.py`` and ``plot.py``. Logs, the CSV, the plots and ``summary.md`` (best QPS at recall@10 ≥ 0.9
    per algorithm) land in ``--out`` (default ``bench/results/annb``).
@@ -46,8 +47,9 @@ from tqvec.datasets import build as build_dataset
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 ALGORITHMS = ("tqvec-ivf", "faiss-ivf", "faiss-ivfpqfs", "hnswlib")
-QUICK_QUERY_ARGS = 4
-QUICK_HNSW_GROUPS = ("M-12", "M-24")
+QUICK_QUERY_ARGS = 3
+QUICK_PEER_ARGS = 4
+QUICK_HNSW_GROUPS = ("M-12", "M-16")
 RECALL_GOAL = 0.9
 MARK = "# --- tqvec: local data sets ---"
 
@@ -164,6 +166,8 @@ def definitions(checkout: Path, quick: bool) -> Path:
                 if quick and "query_args" in group:
                     group["query_args"] = [_thin(v, QUICK_QUERY_ARGS) if isinstance(v, list) else v
                                            for v in group["query_args"]]
+                if quick and entry["name"] != "tqvec-ivf" and isinstance(group.get("args"), list):
+                    group["args"] = [_thin(v, QUICK_PEER_ARGS) if isinstance(v, list) else v for v in group["args"]]
         (folder / algo).mkdir(parents=True)
         (folder / algo / "config.yml").write_text(yaml.safe_dump({"float": {"any": entries}}, sort_keys=False))
     log(f"wrote {folder}")

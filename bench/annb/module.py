@@ -11,9 +11,11 @@ Contract with the harness (``ann_benchmarks/runner.py``):
   than rows are clipped to the row count); it builds on every CPU the process may use.
 - ``query`` (one vector) runs on one torch thread, the harness's one-CPU rule; ``batch_query`` uses every CPU
   in ``os.sched_getaffinity(0)`` and restores one thread afterwards.
-- ``fit`` drops its float copies and k-means temporaries and returns freed heap to the OS before it ends, so
-  the harness's ``index_size`` (resident-set growth across ``fit``, :meth:`get_memory_usage`) measures the
-  index, not leftovers. ``get_additional()["index_bytes"]`` is the index's own byte count.
+- ``fit`` drops its float copies and k-means temporaries and returns freed heap to the OS before it ends, and
+  :meth:`get_memory_usage` returns freed heap before it reads the resident set size, so the harness's
+  ``index_size`` (the growth across ``fit``) measures the index: neither tqvec's leftovers nor, in ``--local``
+  mode where one process runs every definition, heap that earlier algorithms freed (trimming that only after
+  ``fit`` made the growth negative). ``get_additional()["index_bytes"]`` is the index's own byte count.
 - ``str(algo)`` names every constructor and query argument, so each setting is a distinct run.
 """
 from __future__ import annotations
@@ -97,6 +99,11 @@ class TqvecIVF(BaseANN):
         self.index = index
         torch.set_num_threads(1)
         release_free_heap()
+
+    def get_memory_usage(self) -> float:
+        """Resident set size of this process in kB, read after freed heap is returned to the OS."""
+        release_free_heap()
+        return super().get_memory_usage()
 
     def set_query_arguments(self, nprobe: int, rerank: int = 0) -> None:
         """``nprobe`` lists probed per query; ``rerank`` > 0 rescores the best ``rerank · k`` candidates with
