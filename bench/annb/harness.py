@@ -16,8 +16,8 @@ What it does to the checkout (a clone of ``erikbern/ann-benchmarks``; nothing of
 3. ``definitions``: writes ``annb-definitions/{tqvec,faiss,hnswlib}/config.yml`` — tqvec's config and the
    harness's own faiss and hnswlib configs, restricted to faiss-ivf, faiss-ivfpqfs and hnswlib; ``--quick``
    thins every query-argument list to at most ``QUICK_QUERY_ARGS`` values and the peers' constructor-argument
-   lists to ``QUICK_PEER_ARGS`` (ends kept; tqvec keeps every constructor), and hnswlib to ``QUICK_HNSW_GROUPS``,
-   so a KJV run with 500 test queries fits in about 20 minutes on one busy CPU.
+   lists to ``QUICK_PEER_ARGS`` (ends kept; tqvec keeps every constructor), and hnswlib to ``QUICK_HNSW_GROUPS``
+   (its duration on KJV: ``docs/annb.md``).
 4. ``run.py --local --definitions annb-definitions --runs R`` under ``taskset -c CPU`` for each data set, then
    ``data_export.py`` and ``plot.py``. Logs, the CSV, the plots and ``summary.md`` (best QPS at recall@10 ≥ 0.9
    per algorithm) land in ``--out`` (default ``bench/results/annb``).
