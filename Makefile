@@ -10,7 +10,7 @@ BITS ?= 1 2 3 4
 
 .PHONY: run bench test test-fast lint install distortion clean-venv
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile CMakeLists.txt $(wildcard csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# CPU build of torch unless an NVIDIA GPU is present (a bare `torch` would pull a multi-GB CUDA build)

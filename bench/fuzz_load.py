@@ -125,7 +125,7 @@ def derive(fuzz: bytes, seeds: list[bytes]) -> bytes:
 class Target:
     """Loads derived files; records findings (an exception other than ``StorageError``, or a slow input)."""
 
-    def __init__(self, folder: Path, slow: float = 1.0, report: Callable[["Target"], None] | None = None,
+    def __init__(self, folder: Path, slow: float = 1.0, report: Callable[[Target], None] | None = None,
                  every: int = 0, last: int = 0) -> None:
         """``report(self)`` runs every ``every`` inputs and at input ``last`` (then the process exits: atheris)."""
         self.folder, self.slow = folder, slow
@@ -182,7 +182,8 @@ def run_random(target: Target, inputs: int, seed: int = 0) -> None:
 
 
 def run_hypothesis(target: Target, inputs: int) -> None:
-    from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: PLC0415
+    from hypothesis import HealthCheck, given, settings  # noqa: PLC0415
+    from hypothesis import strategies as st
 
     @settings(max_examples=inputs, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
@@ -196,7 +197,9 @@ def run_hypothesis(target: Target, inputs: int) -> None:
 def run_atheris(target: Target, inputs: int) -> None:
     import atheris  # noqa: PLC0415
 
-    from tqvec import index as index_module, ivf as ivf_module, validation  # noqa: PLC0415
+    from tqvec import index as index_module  # noqa: PLC0415
+    from tqvec import ivf as ivf_module
+    from tqvec import validation
 
     # coverage feedback from the code under test (not torch/numpy: instrumenting those would crawl)
     for module in (storage, validation):

@@ -25,8 +25,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from transformers import Cache, DynamicCache, QuantizedCache
@@ -93,7 +93,8 @@ def _replay(cache: Cache, cfg, context: int, new_tokens: int) -> None:
     for step in range(1 + new_tokens):
         t = context if step == 0 else 1
         for layer in range(cfg.num_hidden_layers):
-            cache.update(torch.randn(*shape[:2], t, shape[3], generator=g), torch.randn(*shape[:2], t, shape[3], generator=g), layer)
+            keys = torch.randn(*shape[:2], t, shape[3], generator=g)
+            cache.update(keys, torch.randn(*shape[:2], t, shape[3], generator=g), layer)
 
 
 def measure_bytes(args) -> dict:

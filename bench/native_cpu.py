@@ -175,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)
     prog = Path(sys.argv[0]).name
-    command = shlex.join((["tqvec", "bench", "native-cpu"] if prog == "tqvec" else [sys.executable, "-m", "tqvec.bench.native_cpu"])
-                         + (sys.argv[1:] if argv is None else argv))
+    head = ["tqvec", "bench", "native-cpu"] if prog == "tqvec" else [sys.executable, "-m", "tqvec.bench.native_cpu"]
+    command = shlex.join(head + (sys.argv[1:] if argv is None else argv))
     result: dict[str, Any] = {"command": command, "cpu": platform.processor() or platform.machine(),
                               "cpu_count": os.cpu_count(), "torch": torch.__version__,
                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

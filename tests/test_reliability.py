@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import signal
-import stat
 import struct
 import subprocess
 import sys

@@ -8,8 +8,18 @@ import pytest
 import torch
 
 from tqvec import TurboQuantizer
-from tqvec.validation import (MAX_ID, MAX_SEED, MAX_SQUARED_NORM, as_device, as_float_matrix, as_ids, check_bits,
-                              check_choice, check_positive_int, check_seed)
+from tqvec.validation import (
+    MAX_ID,
+    MAX_SEED,
+    MAX_SQUARED_NORM,
+    as_device,
+    as_float_matrix,
+    as_ids,
+    check_bits,
+    check_choice,
+    check_positive_int,
+    check_seed,
+)
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 

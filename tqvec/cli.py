@@ -14,6 +14,7 @@ BENCHMARKS = {
     "distortion": ("tqvec.bench.core", "distortion_main", "measured vs theoretical MSE and inner-product error"),
     "encode": ("tqvec.bench.core", "encode_main", "CPU encode throughput beside FAISS"),
     "sweep": ("tqvec.bench.sweep", "main", "ann-benchmarks-style sweep with plots (IVF, FAISS, others)"),
+    "native-cpu": ("tqvec.bench.native_cpu", "main", "native CPU scan of a flat index beside turbovec, memory run"),
     "kv": ("tqvec.bench.kv", "main", "KV-cache quality on SmolLM2 (perplexity, KL, passkey)"),
     "gpu-scan": ("tqvec.bench.gpu_scan", "main", "GPU fused search and encode throughput (needs CUDA)"),
     "sharded": ("tqvec.bench.sharded", "main", "Ray sharded index build/query throughput"),

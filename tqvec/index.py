@@ -62,9 +62,22 @@ from . import scan, storage
 from .packing import Layout, layout_for_bytes, read_tail, write_tail
 from .quantizer import Codes, TurboQuantizer
 from .rotation import rotated_dim, rowwise_matmul
-from .validation import (MAX_ID, MAX_SQUARED_NORM, as_device, as_float_matrix, as_ids, check_array, check_bits,
-                         check_choice, check_file_ids, check_meta, check_positive_int, check_row_budget, check_row_norms,
-                         check_seed)
+from .validation import (
+    MAX_ID,
+    MAX_SQUARED_NORM,
+    as_device,
+    as_float_matrix,
+    as_ids,
+    check_array,
+    check_bits,
+    check_choice,
+    check_file_ids,
+    check_meta,
+    check_positive_int,
+    check_row_budget,
+    check_row_norms,
+    check_seed,
+)
 
 METRICS = ("ip", "l2", "cosine")
 CORRECTIONS = ("auto", "none", "rescale", "center")
@@ -663,7 +676,7 @@ def check_rows(arrays: dict[str, np.ndarray], expected: dict[str, torch.Tensor],
     configuration), ``n`` rows each, float side fields finite and within :data:`SIDE_BOUNDS`."""
     if set(arrays) != set(expected):
         raise ValueError(f"arrays {sorted(arrays)} do not match the configuration's {sorted(expected)}")
-    for name, a in arrays.items():
+    for name in arrays:
         want = expected[name]
         dtype = np.dtype(torch.empty(0, dtype=want.dtype).numpy().dtype).newbyteorder("<").str
         check_array(arrays, name, dtype, (n, *want.shape[1:]),

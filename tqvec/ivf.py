@@ -51,12 +51,24 @@ import numpy as np
 import torch
 
 from . import _fastscan, scan, storage
-from .index import (CORRECTIONS, METRICS, SIDE_NAMES, CodedRows, check_rows, new_ids, rows_of_ids, search_results,
-                    sort_ids)
+from .index import CORRECTIONS, METRICS, SIDE_NAMES, CodedRows, check_rows, new_ids, rows_of_ids, search_results, sort_ids
 from .quantizer import Codes, TurboQuantizer
 from .rotation import rowwise_matmul
-from .validation import (MAX_SQUARED_NORM, as_device, as_float_matrix, as_ids, check_array, check_bits, check_choice,
-                         check_file_ids, check_meta, check_positive_int, check_row_budget, check_row_norms, check_seed)
+from .validation import (
+    MAX_SQUARED_NORM,
+    as_device,
+    as_float_matrix,
+    as_ids,
+    check_array,
+    check_bits,
+    check_choice,
+    check_file_ids,
+    check_meta,
+    check_positive_int,
+    check_row_budget,
+    check_row_norms,
+    check_seed,
+)
 
 ENCODINGS = ("residual", "direct")
 #: "auto" picks "center" when scale + bias take at most this share of the budget. IVF's own rule: on GloVe-50
@@ -457,7 +469,8 @@ class IVFIndex(CodedRows):
         rotated, projected = self.quantizer.rotate_checked(q)
         if "block" not in snap.cache:  # side fields widened once per snapshot
             coded = {name: t for name, t in snap.tensors.items() if not name.startswith("fine")}
-            snap.cache["block"] = self.quantizer.code_block(self._codes(coded), coded["bias"].float() if "bias" in coded else None)
+            bias = coded["bias"].float() if "bias" in coded else None
+            snap.cache["block"] = self.quantizer.code_block(self._codes(coded), bias)
         whole = snap.cache["block"]
         if scan.native_serves(rotated, whole, self.quantizer.table(self.device)):
             offsets, members = snap.list_table

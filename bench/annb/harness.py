@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
-import re
 import shutil
 import subprocess
 import sys

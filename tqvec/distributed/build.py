@@ -104,7 +104,7 @@ def build_shards(
             shutil.rmtree(work)
 
 
-def _encode_and_commit(ds: "ray.data.Dataset", settings: IndexSettings, center: np.ndarray | None, routing: str,
+def _encode_and_commit(ds: ray.data.Dataset, settings: IndexSettings, center: np.ndarray | None, routing: str,
                        rows_per_task: int, workers: int, work: Path, files: list[Path]) -> dict[str, Any]:
     """Encode ``ds`` into part files in ``work``, merge them into the shard ``files`` (one per shard) and
     commit them to their directory."""
@@ -125,7 +125,7 @@ def _encode_and_commit(ds: "ray.data.Dataset", settings: IndexSettings, center: 
     return commit(files[0].parent, config, entries)
 
 
-def _read_parquet(files: list[Path], id_column: str, vector_column: str, routing: str) -> "ray.data.Dataset":
+def _read_parquet(files: list[Path], id_column: str, vector_column: str, routing: str) -> ray.data.Dataset:
     """Rows ``{"id": int64, "vector": (dim,) float}`` of Parquet files."""
     if routing == "round_robin":
         raise ValueError("Parquet sources carry their own ids: use routing='hash' (round_robin numbers rows itself)")
@@ -141,7 +141,7 @@ def _columns(batch: dict[str, np.ndarray], id_column: str, vector_column: str) -
     return {"id": as_ids(batch[id_column], name=id_column), "vector": vectors}
 
 
-def _read_npy(files: list[Path], dim: int, rows_per_task: int) -> "ray.data.Dataset":
+def _read_npy(files: list[Path], dim: int, rows_per_task: int) -> ray.data.Dataset:
     """Rows ``{"id", "vector"}`` of ``.npy`` files, read by row range (ids = global row numbers)."""
     items, first = [], 0
     for f in files:
@@ -161,7 +161,7 @@ def _npy_rows(item: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {"id": np.arange(first, first + len(x), dtype=np.int64), "vector": x}
 
 
-def _mean(ds: "ray.data.Dataset", metric: str) -> np.ndarray:
+def _mean(ds: ray.data.Dataset, metric: str) -> np.ndarray:
     """Mean ``(dim,)`` float32 of all vectors, as ``Index`` sees them (normalized for cosine), in float64."""
     def partial_sum(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         x = torch.from_numpy(np.ascontiguousarray(batch["vector"], np.float32))

@@ -30,8 +30,16 @@ from ray.exceptions import RayActorError, RayTaskError
 from .. import storage
 from ..validation import as_float_matrix, as_ids, check_choice, check_positive_int
 from .actor import Epoch, ShardActor
-from .manifest import (MANIFEST, commit, read_manifest, remove_stale, shard_file_name, try_remove_stale,
-                       verify_shard_files, writer_lock)
+from .manifest import (
+    MANIFEST,
+    commit,
+    read_manifest,
+    remove_stale,
+    shard_file_name,
+    try_remove_stale,
+    verify_shard_files,
+    writer_lock,
+)
 from .routing import ROUTINGS, route
 from .settings import IndexSettings
 
@@ -191,7 +199,7 @@ class ShardedIndex:
                 ray.kill(actor, no_restart=True)
             self._actors = []
 
-    def __enter__(self) -> "ShardedIndex":
+    def __enter__(self) -> ShardedIndex:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -414,7 +422,7 @@ class ShardedIndex:
     @classmethod
     def load(cls, path: str | os.PathLike, *, index_factory: Callable[[], Any] | None = None, mmap: bool = False,
              max_restarts: int = 3, actor_options: dict[str, Any] | None = None,
-             timeout: float = 30.0) -> "ShardedIndex":
+             timeout: float = 30.0) -> ShardedIndex:
         """Open a directory written by :meth:`save` or :func:`build_shards`: one actor per shard file.
 
         Every shard file's SHA-256 is recomputed first (one read of each, several at a time), so a corrupt

@@ -49,7 +49,7 @@ class IndexSettings:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: Any, where: str) -> "IndexSettings":
+    def from_dict(cls, values: Any, where: str) -> IndexSettings:
         """Settings read from a manifest; raises ``StorageError`` naming ``where`` if they are not valid."""
         names = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(values, dict) or set(values) != names:

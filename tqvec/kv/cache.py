@@ -34,7 +34,6 @@ from . import checks
 from .codec import SPLITS, HeadCodec
 from .store import CodeStore
 
-
 KEY_MODES = ("mse", "prod")
 #: tokens (over all batch rows and heads: this many rows) reduced per slice by :func:`_channel_moments`
 MOMENT_ROWS = 8192
