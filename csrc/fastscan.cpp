@@ -85,11 +85,17 @@ struct ExactSteps {
   std::vector<Single> singles;
 };
 
+// True when steps t and t + 1 are the low and high nibble of one byte, each a full 4-bit code.
+inline bool nibble_pair(const Plan& plan, int t) {
+  return plan.shift[t] == 0 && plan.width[t] == 4 && t + 1 < plan.n_steps && plan.byte[t + 1] == plan.byte[t] &&
+         plan.shift[t + 1] == 4 && plan.width[t + 1] == 4;
+}
+
 ExactSteps exact_steps(const Plan& plan) {
   ExactSteps steps;
   for (int t = 0; t < plan.n_steps; ++t) {
     const int32_t b = plan.byte[t], s = plan.shift[t], w = plan.width[t];
-    if (s == 0 && w == 4 && t + 1 < plan.n_steps && plan.byte[t + 1] == b && plan.shift[t + 1] == 4 && plan.width[t + 1] == 4) {
+    if (nibble_pair(plan, t)) {
       steps.pairs.push_back({b, plan.offset[t]});
       ++t;
     } else {
@@ -237,7 +243,7 @@ StepOps step_ops(const Plan& plan) {
   StepOps ops;
   for (int t = 0; t < plan.n_steps; ++t) {
     const int b = plan.byte[t], s = plan.shift[t], w = plan.width[t];
-    if (s == 0 && w == 4 && t + 1 < plan.n_steps && plan.byte[t + 1] == b && plan.shift[t + 1] == 4 && plan.width[t + 1] == 4) {
+    if (nibble_pair(plan, t)) {
       PairRun* last = ops.pairs.empty() ? nullptr : &ops.pairs.back();
       if (last && last->byte_offset + last->count * kRowsPerBlock == b * kRowsPerBlock && last->lut + 2 * last->count == t) {
         ++last->count;
