@@ -29,7 +29,7 @@ from __future__ import annotations
 try:
     import ray  # noqa: F401
 except ImportError as err:  # pragma: no cover - depends on the environment
-    raise ImportError('tqvec.distributed needs Ray: pip install "tqvec[ray]"') from err
+    raise ImportError("tqvec.distributed needs Ray, which is not installed: pip install 'tqvec[ray]'") from err
 
 from .build import ENCODER_CPUS, build_shards
 from .client import ShardedIndex, ShardError, merge_topk
