@@ -21,7 +21,7 @@ const T* optional_data(const Array<T>& a) {
   return a.size() ? a.data() : nullptr;
 }
 
-void require(bool ok, const std::string& message) {
+void require(bool ok, const char* message) {  // a C string: no allocation on the hot path
   if (!ok) throw std::invalid_argument(message);
 }
 
