@@ -12,7 +12,8 @@ codebook levels), and QJL sign bits ``s_i ∈ {±1}^D`` in ``prod`` mode, the sc
 CPU paths: the native kernel (:mod:`tqvec._fastscan`: for codes of at most 4 bits a fast scan with 8-bit tables,
 32 rows per byte shuffle and an exact re-score of the best candidates) wherever it serves the codes (no QJL
 signs), and the torch reference: decode a block of rows to float32 through a byte → levels lookup table, then
-one GEMM, then a running top-k. Memory stays bounded by ``block_rows × query_chunk`` floats (torch) or ``nq × rescore`` candidates (native).
+one GEMM, then a running top-k. Memory stays bounded by ``block_rows × query_chunk`` floats (torch) or
+``nq × rescore`` candidates (native).
 """
 from __future__ import annotations
 
