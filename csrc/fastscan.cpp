@@ -1,11 +1,12 @@
 // Fast-scan top-k search over packed TurboQuant codes: see fastscan.h for the contract.
 #include "fastscan.h"
 
+#include "parallel.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <thread>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -19,7 +20,20 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kLut = 16;              // entries of a step table in the SIMD kernel (codes of at most 4 bits)
 constexpr int kFlushSteps = 256;      // 16-bit sums of <= 256 bytes cannot overflow
-constexpr int64_t kQueryGroup = 16;   // queries that share each transposed block (their tables stay in L2)
+constexpr int64_t kQueryGroup = 16;   // queries that share each block (their tables stay in L2)
+constexpr int64_t kMinRowsPerPart = 4096;
+// The kernel's 32-bit sums come out in lane order: lane m holds slot kLaneSlot[m] (even slots of each 16, then
+// odd ones); a block stores its rows' side fields and numbers in that order (kSlotLane is the inverse).
+constexpr int kLaneSlot[kRowsPerBlock] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                          1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+constexpr int kSlotLane[kRowsPerBlock] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                          8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+constexpr bool lanes_invert_slots() {
+  for (int slot = 0; slot < kRowsPerBlock; ++slot)
+    if (kLaneSlot[kSlotLane[slot]] != slot) return false;
+  return true;
+}
+static_assert(lanes_invert_slots(), "kSlotLane must invert kLaneSlot");  // rows a thread scans at least when one query's rows are split
 
 struct Candidate {
   float score;
@@ -128,48 +142,44 @@ inline float finish(const Rows& rows, int64_t r, float dot, float constant) {
 }
 
 // One unit of work: a group of queries and a slice [probe_begin, probe_end) of their probed groups (or, for a
-// single contiguous group, a slice of its rows).
+// single group, a slice [part_begin, part_end) of its rows or blocks).
 struct Work {
-  int64_t query, query_end;    // queries [query, query_end) scan the same rows (several only without probe)
+  int64_t query, query_end;      // queries [query, query_end) scan the same rows (several only without probe)
   int64_t probe_begin, probe_end;
-  int64_t row_begin, row_end;  // used when the queries scan one contiguous group split across workers
+  int64_t part_begin, part_end;  // used when the queries scan one group split across workers
 };
 
-// Calls f(row, position) for the rows at positions [lo, hi) of the groups' row order.
-template <class F>
-inline void for_rows(const Groups& groups, int64_t lo, int64_t hi, F&& f) {
-  for (int64_t p = lo; p < hi; ++p) f(groups.list_rows ? groups.list_rows[p] : p, p);
-}
-
 struct GroupSpan {
-  int64_t group, lo, hi;
+  int64_t lo, hi;  // positions in the groups' row order (exact kernel) or blocks (SIMD kernel)
   float constant;
 };
 
-std::vector<GroupSpan> spans_of(const SearchArgs& a, const Work& w) {
+// The spans work item `w` scans; `offsets` are the groups' row offsets or block offsets.
+std::vector<GroupSpan> spans_of(const SearchArgs& a, const Work& w, const int64_t* offsets) {
   std::vector<GroupSpan> spans;
   const Groups& g = a.groups;
   for (int64_t p = w.probe_begin; p < w.probe_end; ++p) {
     const int64_t group = g.probe ? g.probe[w.query * g.n_probe + p] : 0;
     if (group < 0 || group >= g.n_groups) continue;
-    int64_t lo = g.offsets[group], hi = g.offsets[group + 1];
-    if (w.row_end > w.row_begin) {
-      lo = std::max(lo, w.row_begin);
-      hi = std::min(hi, w.row_end);
+    int64_t lo = offsets[group], hi = offsets[group + 1];
+    if (w.part_end > w.part_begin) {
+      lo = std::max(lo, w.part_begin);
+      hi = std::min(hi, w.part_end);
     }
     const float constant = g.probe_constant ? g.probe_constant[w.query * g.n_probe + p] : 0.0f;
-    if (hi > lo) spans.push_back({group, lo, hi, constant});
+    if (hi > lo) spans.push_back({lo, hi, constant});
   }
   return spans;
 }
 
 // ------------------------------------------------------------------------------------------ scalar kernel
 void scan_exact(const SearchArgs& a, const ExactSteps& steps, const Work& w, const float* lut, BestRows& best) {
-  for (const GroupSpan& s : spans_of(a, w)) {
-    for_rows(a.groups, s.lo, s.hi, [&](int64_t r, int64_t) {
+  for (const GroupSpan& s : spans_of(a, w, a.groups.offsets)) {
+    for (int64_t p = s.lo; p < s.hi; ++p) {
+      const int64_t r = a.groups.list_rows ? a.groups.list_rows[p] : p;
       const float dot = exact_dot(steps, lut, a.rows.packed + r * a.rows.row_bytes);
       best.push(finish(a.rows, r, dot, s.constant), r, s.constant);
-    });
+    }
   }
 }
 
@@ -185,28 +195,55 @@ struct QuantizedTables {
 };
 
 // 8-bit tables with one scale for all steps (the sum must share it) and one offset per step.
-void quantize_tables(const Plan& plan, const float* lut, QuantizedTables& q) {
+__attribute__((target("avx2,fma"))) void quantize_tables(const Plan& plan, const float* lut, QuantizedTables& q) {
   q.lut.assign(static_cast<size_t>(plan.n_steps) * kLut, 0);
+  std::vector<float> low(static_cast<size_t>(plan.n_steps));
   float span = 0.0f;
   double offset = 0.0;
   for (int t = 0; t < plan.n_steps; ++t) {
     const float* row = lut + plan.offset[t];
+    const int used = 1 << plan.width[t];
     float lo = row[0], hi = row[0];
-    for (int c = 1, used = 1 << plan.width[t]; c < used; ++c) {
-      lo = std::min(lo, row[c]);
-      hi = std::max(hi, row[c]);
+    if (used >= 8) {  // 8 or 16 entries: vector min / max
+      __m256 vlo = _mm256_loadu_ps(row), vhi = vlo;
+      if (used == 16) {
+        vlo = _mm256_min_ps(vlo, _mm256_loadu_ps(row + 8));
+        vhi = _mm256_max_ps(vhi, _mm256_loadu_ps(row + 8));
+      }
+      alignas(32) float mins[8], maxs[8];
+      _mm256_store_ps(mins, vlo);
+      _mm256_store_ps(maxs, vhi);
+      for (int c = 0; c < 8; ++c) {
+        lo = std::min(lo, mins[c]);
+        hi = std::max(hi, maxs[c]);
+      }
+    } else {
+      for (int c = 1; c < used; ++c) {
+        lo = std::min(lo, row[c]);
+        hi = std::max(hi, row[c]);
+      }
     }
+    low[t] = lo;
     offset += lo;
     span = std::max(span, hi - lo);
   }
   const float scale = span > 0.0f ? 255.0f / span : 0.0f;
+  const __m256 vscale = _mm256_set1_ps(scale), half = _mm256_set1_ps(0.5f), top = _mm256_set1_ps(255.0f);
   for (int t = 0; t < plan.n_steps; ++t) {
     const float* row = lut + plan.offset[t];
-    float lo = row[0];
-    const int used = 1 << plan.width[t];
-    for (int c = 1; c < used; ++c) lo = std::min(lo, row[c]);
     uint8_t* out = q.lut.data() + t * kLut;
-    for (int c = 0; c < used; ++c) out[c] = static_cast<uint8_t>(std::min(255.0f, (row[c] - lo) * scale + 0.5f));
+    const int used = 1 << plan.width[t];
+    if (used >= 8) {  // 8 entries at a time: round, clamp, narrow to bytes
+      const __m256 lo = _mm256_set1_ps(low[t]);
+      for (int c = 0; c < used; c += 8) {
+        const __m256 v = _mm256_min_ps(top, _mm256_fmadd_ps(_mm256_sub_ps(_mm256_loadu_ps(row + c), lo), vscale, half));
+        const __m256i w = _mm256_cvttps_epi32(v);
+        const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(out + c), _mm_packus_epi16(words, words));
+      }
+    } else {
+      for (int c = 0; c < used; ++c) out[c] = static_cast<uint8_t>(std::min(255.0f, (row[c] - low[t]) * scale + 0.5f));
+    }
   }
   q.inv_scale = scale > 0.0f ? 1.0f / scale : 0.0f;
   q.offset = static_cast<float>(offset);
@@ -267,27 +304,6 @@ StepOps step_ops(const Plan& plan) {
   return ops;
 }
 
-// Byte-major copy of 32 rows: block[j * 32 + r] = byte j of row r (rows 16..31 in the upper 128-bit lane).
-// Reads 16-byte chunks of each row, so every row pointer must have chunks * 16 readable bytes.
-__attribute__((target("avx2,fma"))) void transpose_rows(const uint8_t* const* rows, int64_t chunks, uint8_t* block) {
-  __m256i x[16], y[16];
-  for (int64_t c = 0; c < chunks; ++c) {
-    for (int r = 0; r < 16; ++r) {
-      const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + 16 * c));
-      const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r + 16] + 16 * c));
-      x[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
-    }
-    for (int round = 0; round < 4; ++round) {  // four perfect shuffles transpose 16 x 16 bytes per lane
-      for (int i = 0; i < 8; ++i) {
-        y[2 * i] = _mm256_unpacklo_epi8(x[i], x[i + 8]);
-        y[2 * i + 1] = _mm256_unpackhi_epi8(x[i], x[i + 8]);
-      }
-      std::memcpy(x, y, sizeof(x));
-    }
-    for (int j = 0; j < 16; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(block + (16 * c + j) * kRowsPerBlock), x[j]);
-  }
-}
-
 // Adds the 16-bit sums (acc_a: even + 256 * odd bytes, acc_b: odd bytes) into 32-bit ones and clears them:
 // wide[0] rows 0, 2, .., 14; wide[1] rows 16, 18, .., 30; wide[2] rows 1, 3, .., 15; wide[3] rows 17, .., 31.
 __attribute__((target("avx2,fma"))) inline void widen_sums(__m256i& acc_a, __m256i& acc_b, __m256i* wide) {
@@ -303,13 +319,17 @@ __attribute__((target("avx2,fma"))) inline __m256i load32(const void* p) {
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
 }
 
+__attribute__((target("avx2,fma"))) inline __m256i loadu32(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
 // Adds the table entries of `count` consecutive nibble pairs into the 16-bit sums (count <= kFlushSteps / 2).
 __attribute__((target("avx2,fma"))) inline void add_pairs(const uint8_t* bytes, const Lut32* luts, int count, __m256i& acc_a,
                                                       __m256i& acc_b) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   __m256i a = acc_a, b = acc_b;
   for (int i = 0; i < count; ++i) {
-    const __m256i codes = load32(bytes + i * kRowsPerBlock);
+    const __m256i codes = loadu32(bytes + i * kRowsPerBlock);
     const __m256i low = _mm256_shuffle_epi8(load32(luts[2 * i].bytes), _mm256_and_si256(codes, nibble));
     const __m256i high = _mm256_shuffle_epi8(load32(luts[2 * i + 1].bytes), _mm256_and_si256(_mm256_srli_epi16(codes, 4), nibble));
     a = _mm256_add_epi16(a, _mm256_add_epi16(low, high));
@@ -319,11 +339,33 @@ __attribute__((target("avx2,fma"))) inline void add_pairs(const uint8_t* bytes, 
   acc_b = b;
 }
 
-// Sums of the quantized table entries of 32 transposed rows: sums[r] for row r.
+// Adds the single steps (codes other than nibble pairs) into the 16-bit sums, widening when due.
+__attribute__((target("avx2,fma"))) inline void add_singles(const uint8_t* block, const StepOps& ops, const Lut32* luts,
+                                                        __m256i& acc_a, __m256i& acc_b, __m256i* wide, int& pending) {
+  for (const SingleOp& op : ops.singles) {
+    if (pending == kFlushSteps) {
+      widen_sums(acc_a, acc_b, wide);
+      pending = 0;
+    }
+    const __m256i b0 = loadu32(block + op.byte_offset);
+    __m256i code = _mm256_and_si256(_mm256_srl_epi16(b0, _mm_cvtsi32_si128(op.shift)), load32(op.low_mask));
+    if (op.straddle) {
+      const __m256i up = _mm256_sll_epi16(loadu32(block + op.byte_offset + kRowsPerBlock), _mm_cvtsi32_si128(8 - op.shift));
+      code = _mm256_or_si256(code, _mm256_and_si256(up, load32(op.high_mask)));
+    }
+    const __m256i v = _mm256_shuffle_epi8(load32(luts[op.lut].bytes), code);
+    acc_a = _mm256_add_epi16(acc_a, v);
+    acc_b = _mm256_add_epi16(acc_b, _mm256_srli_epi16(v, 8));
+    ++pending;
+  }
+}
+
+// Sums of the quantized table entries of the 32 rows of a block, as 32-bit sums in lane order (kLaneSlot):
+// wide[g] holds the rows of slots kLaneSlot[8g .. 8g + 7].
 __attribute__((target("avx2,fma"))) void block_sums(const uint8_t* block, const StepOps& ops, const Lut32* luts,
-                                                uint32_t* sums) {
+                                                __m256i* wide) {
   __m256i acc_a = _mm256_setzero_si256(), acc_b = _mm256_setzero_si256();
-  __m256i wide[4] = {acc_a, acc_a, acc_a, acc_a};
+  for (int g = 0; g < 4; ++g) wide[g] = acc_a;
   int pending = 0;  // table entries added per byte lane since the last widening
   for (const PairRun& run : ops.pairs) {
     for (int done = 0; done < run.count;) {
@@ -337,67 +379,78 @@ __attribute__((target("avx2,fma"))) void block_sums(const uint8_t* block, const 
       done += count;
     }
   }
-  for (const SingleOp& op : ops.singles) {
-    if (pending == kFlushSteps) {
-      widen_sums(acc_a, acc_b, wide);
-      pending = 0;
-    }
-    const __m256i b0 = load32(block + op.byte_offset);
-    __m256i code = _mm256_and_si256(_mm256_srl_epi16(b0, _mm_cvtsi32_si128(op.shift)), load32(op.low_mask));
-    if (op.straddle) {
-      const __m256i up = _mm256_sll_epi16(load32(block + op.byte_offset + kRowsPerBlock), _mm_cvtsi32_si128(8 - op.shift));
-      code = _mm256_or_si256(code, _mm256_and_si256(up, load32(op.high_mask)));
-    }
-    const __m256i v = _mm256_shuffle_epi8(load32(luts[op.lut].bytes), code);
-    acc_a = _mm256_add_epi16(acc_a, v);
-    acc_b = _mm256_add_epi16(acc_b, _mm256_srli_epi16(v, 8));
-    ++pending;
-  }
+  add_singles(block, ops, luts, acc_a, acc_b, wide, pending);
   widen_sums(acc_a, acc_b, wide);
-  alignas(32) uint32_t part[4][8];
-  for (int i = 0; i < 4; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(part[i]), wide[i]);
-  for (int m = 0; m < 8; ++m) {
-    sums[2 * m] = part[0][m];
-    sums[16 + 2 * m] = part[1][m];
-    sums[2 * m + 1] = part[2][m];
-    sums[17 + 2 * m] = part[3][m];
-  }
 }
 
-// Per-thread buffers of the AVX2 scan.
-struct Scratch {
-  int64_t chunks = 0;
-  std::vector<uint8_t> storage;     // transposed block (+ one zero byte row, + alignment)
-  uint8_t* block = nullptr;
-  std::vector<uint8_t> zero_row;    // a row of zeros standing in for missing rows
-  std::vector<uint8_t> tail;        // rows near the end of the array, padded to whole chunks
-
-  Scratch(const Rows& rows) {
-    chunks = (rows.row_bytes + 15) / 16;
-    storage.assign(static_cast<size_t>((16 * chunks + 1) * kRowsPerBlock + 32), 0);
-    const uintptr_t p = reinterpret_cast<uintptr_t>(storage.data());
-    block = storage.data() + ((32 - p % 32) % 32);
-    zero_row.assign(static_cast<size_t>(16 * chunks), 0);
-  }
+// The tables of steps t and t + 2 side by side: what one 512-bit shuffle needs for two consecutive bytes of a
+// pair run (lanes 0-1: byte i, lanes 2-3: byte i + 1).
+struct alignas(64) Lut64 {
+  uint8_t bytes[64];
 };
 
-// Rows r >= safe_rows may sit too close to the array end for whole-chunk reads: read them from a padded copy.
-struct RowSource {
-  const Rows& rows;
-  int64_t safe_rows;
-  const uint8_t* tail;  // rows [safe_rows, n) padded
+// widen_sums of 512-bit sums: both 256-bit halves hold the same 32 rows (of two different bytes).
+__attribute__((target("avx512f,avx512bw,avx2,fma"))) inline void widen_sums_512(__m512i& a, __m512i& b, __m256i* wide) {
+  alignas(64) __m256i half_a[2], half_b[2];  // through memory: GCC's 256-bit extract warns on its own headers
+  _mm512_store_si512(half_a, a);
+  _mm512_store_si512(half_b, b);
+  widen_sums(half_a[0], half_b[0], wide);
+  widen_sums(half_a[1], half_b[1], wide);
+  a = b = _mm512_setzero_si512();
+}
 
-  const uint8_t* row(int64_t r) const {
-    return r < safe_rows ? rows.packed + r * rows.row_bytes : tail + (r - safe_rows) * rows.row_bytes;
+// block_sums with 512-bit shuffles for the pair runs (two bytes of 32 rows per shuffle); `wide_luts[t]` holds the
+// tables of steps t and t + 2.
+__attribute__((target("avx512f,avx512bw,avx2,fma"))) void block_sums_avx512(const uint8_t* block, const StepOps& ops,
+                                                                         const Lut32* luts, const Lut64* wide_luts,
+                                                                         __m256i* wide) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+  __m256i acc_a = _mm256_setzero_si256(), acc_b = _mm256_setzero_si256();
+  for (int g = 0; g < 4; ++g) wide[g] = acc_a;
+  int pending = 0, pending_512 = 0;  // table entries added per byte lane since the last widening
+  for (const PairRun& run : ops.pairs) {
+    int done = 0;
+    while (run.count - done >= 2) {
+      if (pending_512 + 2 > kFlushSteps) {
+        widen_sums_512(a, b, wide);
+        pending_512 = 0;
+      }
+      const int count = std::min((run.count - done) / 2, (kFlushSteps - pending_512) / 2);
+      const uint8_t* bytes = block + run.byte_offset + done * kRowsPerBlock;
+      const Lut64* lut = wide_luts + run.lut + 2 * done;
+      for (int i = 0; i < count; ++i) {
+        const __m512i codes = _mm512_loadu_si512(bytes + 2 * i * kRowsPerBlock);
+        const __m512i low = _mm512_shuffle_epi8(_mm512_load_si512(lut[4 * i].bytes), _mm512_and_si512(codes, nibble));
+        const __m512i high = _mm512_shuffle_epi8(_mm512_load_si512(lut[4 * i + 1].bytes),
+                                                 _mm512_and_si512(_mm512_srli_epi16(codes, 4), nibble));
+        a = _mm512_add_epi16(a, _mm512_add_epi16(low, high));
+        b = _mm512_add_epi16(b, _mm512_add_epi16(_mm512_srli_epi16(low, 8), _mm512_srli_epi16(high, 8)));
+      }
+      pending_512 += 2 * count;
+      done += 2 * count;
+    }
+    if (done < run.count) {  // an odd last byte
+      if (pending + 2 > kFlushSteps) {
+        widen_sums(acc_a, acc_b, wide);
+        pending = 0;
+      }
+      add_pairs(block + run.byte_offset + done * kRowsPerBlock, luts + run.lut + 2 * done, 1, acc_a, acc_b);
+      pending += 2;
+    }
   }
-};
+  widen_sums_512(a, b, wide);
+  add_singles(block, ops, luts, acc_a, acc_b, wide, pending);
+  widen_sums(acc_a, acc_b, wide);
+}
 
-// Scans the rows of work item `w` for each of its queries (tables `luts`, one table set per query): each block
-// of 32 rows is transposed once and looked up for every query of the group.
+// Scans the blocks of work item `w` for each of its queries (tables `luts`, one table set per query): each
+// block is looked up for every query of the group while it is in cache.
 __attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Work& w, const float* luts,
-                                                   std::vector<BestRows>& best, Scratch& scratch, const RowSource& source,
-                                                   const StepOps& ops) {
+                                                   std::vector<BestRows>& best, const StepOps& ops, bool avx512) {
+  const Blocks& blocks = *a.blocks;
   const int64_t group = w.query_end - w.query;
+  const int64_t block_bytes = blocks.row_bytes * kRowsPerBlock;
   std::vector<QuantizedTables> q(group);
   std::vector<Lut32> tables(static_cast<size_t>(group * a.plan.n_steps));
   for (int64_t j = 0; j < group; ++j) {
@@ -408,39 +461,41 @@ __attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Wo
       std::memcpy(lut.bytes + kLut, q[j].lut.data() + t * kLut, kLut);
     }
   }
-  const uint8_t* rows[kRowsPerBlock];
-  int64_t ids[kRowsPerBlock];
-  alignas(32) float scale[kRowsPerBlock], shift[kRowsPerBlock], score[kRowsPerBlock];
-  alignas(32) uint32_t sums[kRowsPerBlock];
-  for (const GroupSpan& s : spans_of(a, w)) {
-    for (int64_t start = s.lo; start < s.hi; start += kRowsPerBlock) {
-      const int filled = static_cast<int>(std::min<int64_t>(kRowsPerBlock, s.hi - start));
-      for (int i = 0; i < filled; ++i) {
-        const int64_t r = a.groups.list_rows ? a.groups.list_rows[start + i] : start + i;
-        rows[i] = source.row(r);
-        ids[i] = r;
-        scale[i] = a.rows.scale ? a.rows.scale[r] : 1.0f;
-        shift[i] = (a.rows.bias ? a.rows.bias[r] : 0.0f) + s.constant;
-      }
-      for (int i = filled; i < kRowsPerBlock; ++i) {
-        rows[i] = scratch.zero_row.data();
-        scale[i] = 0.0f;
-        shift[i] = kNegInf;  // never passes the threshold test
-      }
-      transpose_rows(rows, scratch.chunks, scratch.block);
+  std::vector<Lut64> wide_tables(avx512 ? static_cast<size_t>(group * a.plan.n_steps) : 0);
+  for (int64_t j = 0; avx512 && j < group; ++j) {
+    for (int t = 0; t < a.plan.n_steps; ++t) {
+      Lut64& lut = wide_tables[j * a.plan.n_steps + t];
+      std::memcpy(lut.bytes, tables[j * a.plan.n_steps + t].bytes, sizeof(Lut32));
+      if (t + 2 < a.plan.n_steps) std::memcpy(lut.bytes + sizeof(Lut32), tables[j * a.plan.n_steps + t + 2].bytes, sizeof(Lut32));
+    }
+  }
+  alignas(32) float score[8];
+  __m256i sums[4];
+  for (const GroupSpan& s : spans_of(a, w, blocks.group_blocks)) {
+    const __m256 constant = _mm256_set1_ps(s.constant);
+    for (int64_t b = s.lo; b < s.hi; ++b) {
+      const uint8_t* codes = blocks.codes + b * block_bytes;
+      const float* scale = blocks.scale + b * kRowsPerBlock;
+      const float* bias = blocks.bias + b * kRowsPerBlock;
+      const int64_t* ids = blocks.rows + b * kRowsPerBlock;
       for (int64_t j = 0; j < group; ++j) {
-        block_sums(scratch.block, ops, tables.data() + j * a.plan.n_steps, sums);
+        if (avx512) {
+          block_sums_avx512(codes, ops, tables.data() + j * a.plan.n_steps, wide_tables.data() + j * a.plan.n_steps, sums);
+        } else {
+          block_sums(codes, ops, tables.data() + j * a.plan.n_steps, sums);
+        }
         const __m256 inv_scale = _mm256_set1_ps(q[j].inv_scale), offset = _mm256_set1_ps(q[j].offset);
         const __m256 threshold = _mm256_set1_ps(best[j].threshold());
-        for (int g = 0; g < kRowsPerBlock; g += 8) {
-          const __m256 dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(load32(sums + g)), inv_scale, offset);
-          const __m256 value = _mm256_fmadd_ps(dot, _mm256_load_ps(scale + g), _mm256_load_ps(shift + g));
-          _mm256_store_ps(score + g, value);
+        for (int g = 0; g < 4; ++g) {  // side fields and row numbers are stored in the same lane order
+          const __m256 dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[g]), inv_scale, offset);
+          const __m256 value = _mm256_add_ps(_mm256_fmadd_ps(dot, _mm256_loadu_ps(scale + 8 * g), _mm256_loadu_ps(bias + 8 * g)), constant);
           int passing = _mm256_movemask_ps(_mm256_cmp_ps(value, threshold, _CMP_GT_OQ));
+          if (!passing) continue;
+          _mm256_store_ps(score, value);
           while (passing) {
-            const int i = g + __builtin_ctz(passing);
+            const int i = __builtin_ctz(passing);
             passing &= passing - 1;
-            best[j].push(score[i], ids[i], s.constant);
+            best[j].push(score[i], ids[8 * g + i], s.constant);
           }
         }
       }
@@ -461,19 +516,6 @@ void write_best(int64_t k, std::vector<Candidate>& cands, float* values, int64_t
   }
 }
 
-// Runs f(begin, end) over [0, n) split in contiguous ranges on up to `threads` threads (inline for one).
-template <class F>
-void parallel_for(size_t n, int threads, F&& f) {
-  const size_t workers = std::min<size_t>(static_cast<size_t>(std::max(1, threads)), n);
-  if (workers <= 1) {
-    f(size_t{0}, n);
-    return;
-  }
-  std::vector<std::thread> pool;
-  for (size_t t = 0; t < workers; ++t) pool.emplace_back(f, n * t / workers, n * (t + 1) / workers);
-  for (auto& th : pool) th.join();
-}
-
 }  // namespace
 
 bool has_avx2() {
@@ -484,26 +526,79 @@ bool has_avx2() {
 #endif
 }
 
-const char* search(const SearchArgs& a, bool allow_simd) {
+bool has_avx512() {
+#ifdef TQVEC_X86
+  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+#else
+  return false;
+#endif
+}
+
+Blocks BlockStore::view() const {
+  return {codes.data(), scale.data(), bias.data(), rows.data(), group_blocks.data(),
+          static_cast<int64_t>(rows.size()) / kRowsPerBlock, static_cast<int64_t>(group_blocks.size()) - 1, row_bytes, n_rows};
+}
+
+size_t BlockStore::nbytes() const {
+  return codes.size() + sizeof(float) * (scale.size() + bias.size()) + sizeof(int64_t) * (rows.size() + group_blocks.size());
+}
+
+BlockStore arrange(const Rows& rows, const int64_t* offsets, const int64_t* list_rows, int64_t n_groups) {
+  BlockStore out;
+  out.row_bytes = rows.row_bytes;
+  out.n_rows = rows.n;
+  out.group_blocks.assign(static_cast<size_t>(n_groups) + 1, 0);
+  for (int64_t g = 0; g < n_groups; ++g)
+    out.group_blocks[g + 1] = out.group_blocks[g] + (offsets[g + 1] - offsets[g] + kRowsPerBlock - 1) / kRowsPerBlock;
+  const size_t slots = static_cast<size_t>(out.group_blocks[n_groups]) * kRowsPerBlock;
+  out.codes.assign(slots * static_cast<size_t>(rows.row_bytes), 0);
+  out.scale.assign(slots, 0.0f);
+  out.bias.assign(slots, kNegInf);
+  out.rows.assign(slots, -1);
+  for (int64_t g = 0; g < n_groups; ++g) {
+    for (int64_t p = offsets[g]; p < offsets[g + 1]; ++p) {
+      const int64_t r = list_rows ? list_rows[p] : p;
+      const int64_t position = out.group_blocks[g] * kRowsPerBlock + (p - offsets[g]);
+      const int64_t block = position / kRowsPerBlock, slot = position % kRowsPerBlock;
+      uint8_t* dst = out.codes.data() + block * rows.row_bytes * kRowsPerBlock + slot;
+      const uint8_t* src = rows.packed + r * rows.row_bytes;
+      for (int64_t j = 0; j < rows.row_bytes; ++j) dst[j * kRowsPerBlock] = src[j];
+      const int64_t lane = block * kRowsPerBlock + kSlotLane[slot];
+      out.scale[lane] = rows.scale ? rows.scale[r] : 1.0f;
+      out.bias[lane] = rows.bias ? rows.bias[r] : 0.0f;
+      out.rows[lane] = r;
+    }
+  }
+  return out;
+}
+
+const char* search(const SearchArgs& a, Isa max_isa) {
   const bool narrow = std::all_of(a.plan.width, a.plan.width + a.plan.n_steps, [](int32_t w) { return w <= 4; });
-  const bool simd = allow_simd && narrow && has_avx2() && a.rescore > 0;
+  const bool simd = max_isa >= Isa::kAvx2 && narrow && has_avx2() && a.rescore > 0 && a.blocks != nullptr;
+  const bool avx512 = simd && max_isa >= Isa::kAvx512 && has_avx512();
   const int threads = std::max(1, a.threads);
   const bool flat = a.groups.probe == nullptr;  // every query scans the one group
-  // Work items: without probe, groups of up to kQueryGroup queries share each transposed block, and when there
-  // are too few groups for the threads the rows are split too; with probe, one query per item, its probed
-  // groups split across items when there are fewer queries than threads.
+  // Work items: without probe, groups of up to kQueryGroup queries share each block, and when there are too
+  // few groups for the threads the rows (blocks) are split too; with probe, one query per item, its probed
+  // groups split across items when there are fewer queries than threads. No item is split below
+  // kMinRowsPerPart rows (starting a thread costs more than scanning fewer).
+  const int64_t* offsets = simd ? a.blocks->group_blocks : a.groups.offsets;
+  const int64_t unit = simd ? kRowsPerBlock : 1;  // rows per offset unit
+  const int64_t rows_per_query = flat ? unit * (offsets[1] - offsets[0])
+                                      : unit * offsets[a.groups.n_groups] * a.groups.n_probe / std::max<int64_t>(1, a.groups.n_groups);
   const int64_t group = flat && simd ? std::min<int64_t>(kQueryGroup, std::max<int64_t>(1, a.nq / threads)) : 1;
   const int64_t items = (a.nq + group - 1) / group;
-  const int64_t parts = items >= threads ? 1 : std::max<int64_t>(1, threads / std::max<int64_t>(1, items));
+  const int64_t parts = items >= threads ? 1 : std::max<int64_t>(1, std::min<int64_t>(threads / std::max<int64_t>(1, items),
+                                                                                   rows_per_query / kMinRowsPerPart));
   std::vector<Work> work;
   for (int64_t q = 0; q < a.nq; q += group) {
     for (int64_t p = 0; p < parts; ++p) {
       Work w{q, std::min(a.nq, q + group), 0, a.groups.n_probe, 0, 0};
       if (parts > 1 && flat) {
-        const int64_t lo = a.groups.offsets[0], hi = a.groups.offsets[1];
-        w.row_begin = lo + (hi - lo) * p / parts;
-        w.row_end = lo + (hi - lo) * (p + 1) / parts;
-        if (w.row_end <= w.row_begin) continue;
+        const int64_t lo = offsets[0], hi = offsets[1];
+        w.part_begin = lo + (hi - lo) * p / parts;
+        w.part_end = lo + (hi - lo) * (p + 1) / parts;
+        if (w.part_end <= w.part_begin) continue;
       } else if (parts > 1) {
         w.probe_begin = a.groups.n_probe * p / parts;
         w.probe_end = a.groups.n_probe * (p + 1) / parts;
@@ -515,22 +610,12 @@ const char* search(const SearchArgs& a, bool allow_simd) {
   const int64_t keep = simd ? std::max(a.k, a.rescore) : a.k;
   const ExactSteps exact = exact_steps(a.plan);
   std::vector<std::vector<std::vector<Candidate>>> found(work.size());  // per item, per query of the item
-
 #ifdef TQVEC_X86
   const StepOps ops = simd ? step_ops(a.plan) : StepOps{};
-  // rows whose last chunk would read past the array: a padded copy
-  const int64_t chunk_bytes = 16 * ((a.rows.row_bytes + 15) / 16);
-  const int64_t unsafe = a.rows.row_bytes ? std::min<int64_t>(a.rows.n, (chunk_bytes + a.rows.row_bytes - 1) / a.rows.row_bytes) : 0;
-  std::vector<uint8_t> tail(static_cast<size_t>(unsafe * a.rows.row_bytes + chunk_bytes), 0);
-  if (unsafe) std::memcpy(tail.data(), a.rows.packed + (a.rows.n - unsafe) * a.rows.row_bytes, unsafe * a.rows.row_bytes);
-  const RowSource source{a.rows, a.rows.n - unsafe, tail.data()};
 #endif
 
   auto scan_items = [&](size_t begin, size_t end) {
     std::vector<float> luts(table_entries(a.plan) * static_cast<size_t>(group));
-#ifdef TQVEC_X86
-    Scratch scratch(a.rows);
-#endif
     for (size_t i = begin; i < end; ++i) {
       const Work& w = work[i];
       for (int64_t q = w.query; q < w.query_end; ++q)
@@ -538,22 +623,29 @@ const char* search(const SearchArgs& a, bool allow_simd) {
       std::vector<BestRows> best(static_cast<size_t>(w.query_end - w.query), BestRows(keep));
 #ifdef TQVEC_X86
       if (simd) {
-        scan_avx2(a, w, luts.data(), best, scratch, source, ops);
+        scan_avx2(a, w, luts.data(), best, ops, avx512);
       } else {
         scan_exact(a, exact, w, luts.data(), best[0]);
       }
 #else
       scan_exact(a, exact, w, luts.data(), best[0]);
 #endif
-      for (BestRows& b : best) found[i].push_back(std::move(b.items()));
+      for (size_t j = 0; j < best.size(); ++j) {
+        std::vector<Candidate>& cands = best[j].items();
+        if (simd) {  // exact scores for the candidates of the 8-bit estimate, with this item's float tables
+          const float* lut = luts.data() + j * table_entries(a.plan);
+          for (Candidate& c : cands)
+            c.score = finish(a.rows, c.row, exact_dot(exact, lut, a.rows.packed + c.row * a.rows.row_bytes), c.constant);
+        }
+        found[i].push_back(std::move(cands));
+      }
     }
   };
-  // Merge the items of each query; with SIMD, re-score the candidates exactly.
+  // Merge the (exactly scored) candidates of each query's items.
   std::vector<size_t> first_item(static_cast<size_t>(a.nq) + 1, work.size());
   for (size_t i = work.size(); i-- > 0;)
     for (int64_t q = work[i].query; q < work[i].query_end; ++q) first_item[q] = i;
   auto merge_queries = [&](size_t begin, size_t end) {
-    std::vector<float> lut(table_entries(a.plan));
     for (size_t q = begin; q < end; ++q) {
       std::vector<Candidate> cands;
       for (size_t i = first_item[q]; i < work.size() && work[i].query <= static_cast<int64_t>(q); ++i)
@@ -561,17 +653,12 @@ const char* search(const SearchArgs& a, bool allow_simd) {
           const auto& part = found[i][q - work[i].query];
           cands.insert(cands.end(), part.begin(), part.end());
         }
-      if (simd && !cands.empty()) {
-        float_tables(a.plan, a.queries + q * a.dim, lut.data());
-        for (Candidate& c : cands)
-          c.score = finish(a.rows, c.row, exact_dot(exact, lut.data(), a.rows.packed + c.row * a.rows.row_bytes), c.constant);
-      }
       write_best(a.k, cands, a.out_values + q * a.k, a.out_rows + q * a.k);
     }
   };
   parallel_for(work.size(), threads, scan_items);
-  parallel_for(static_cast<size_t>(a.nq), threads, merge_queries);
-  return simd ? "avx2" : "scalar";
+  parallel_for(static_cast<size_t>(a.nq), threads, merge_queries, 16);
+  return avx512 ? "avx512" : simd ? "avx2" : "scalar";
 }
 
 }  // namespace tqvec

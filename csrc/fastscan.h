@@ -6,14 +6,17 @@
 // codes) or several (two 2-bit or four 1-bit channels share one 4-bit step), so the inner product of a query
 // with a row is the sum over steps of table entries: exact, as long as the tables are exact.
 //
-// The SIMD kernel (steps of at most 4 bits; wider codes are scored by the exact kernel) transposes 32 rows at a time into a byte-major block (byte j of rows 0..31 side by side),
-// quantizes the tables to 8 bits with one scale per query, looks up 32 rows per byte shuffle and accumulates
-// in 16 bits (widened to 32 bits every 256 steps). It keeps the best `rescore` rows by that approximate
-// score, then re-scores them exactly with the float tables and returns the best `k`.
+// The SIMD kernel (steps of at most 4 bits; wider codes are scored by the exact kernel) reads the rows in the
+// fast-scan layout (`arrange`): each group's rows in blocks of 32, byte-major within a block (byte j of the 32
+// rows side by side), built once per index snapshot. It quantizes the tables to 8 bits with one scale per
+// query, looks up 32 rows per byte shuffle (64 with AVX-512 BW) and accumulates in 16 bits (widened to 32 bits every 256 steps). It
+// keeps the best `rescore` rows by that approximate score, then re-scores them exactly with the float tables
+// (reading the row-major codes) and returns the best `k`.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace tqvec {
 
@@ -51,6 +54,34 @@ struct Groups {
   int64_t n_probe;
 };
 
+// The fast-scan layout of the rows of every group: group g is blocks [group_blocks[g], group_blocks[g + 1]),
+// block b holds codes[b * row_bytes * 32 + j * 32 + i] = byte j of the row in slot i; that row's scale, bias and
+// number sit at b * 32 + lane(i) of scale / bias / rows, in the order the kernel's sums come out (even slots of
+// each 16 first, then odd ones). Empty slots hold zero codes, scale 0, bias -inf, row -1.
+struct Blocks {
+  const uint8_t* codes;         // (n_blocks, row_bytes, 32)
+  const float* scale;           // (n_blocks * 32,)
+  const float* bias;            // (n_blocks * 32,)
+  const int64_t* rows;          // (n_blocks * 32,)
+  const int64_t* group_blocks;  // (n_groups + 1,)
+  int64_t n_blocks, n_groups, row_bytes, n_rows;  // n_rows: the rows the slots index (of `Rows`)
+};
+
+// The owner of one fast-scan layout (see Blocks).
+struct BlockStore {
+  std::vector<uint8_t> codes;
+  std::vector<float> scale, bias;
+  std::vector<int64_t> rows, group_blocks;
+  int64_t row_bytes = 0, n_rows = 0;
+
+  Blocks view() const;
+  size_t nbytes() const;
+};
+
+// Arranges `rows` in the fast-scan layout, group g holding rows list_rows[offsets[g]:offsets[g + 1]] (the
+// contiguous range [offsets[g], offsets[g + 1]) when list_rows is null), in that order.
+BlockStore arrange(const Rows& rows, const int64_t* offsets, const int64_t* list_rows, int64_t n_groups);
+
 struct SearchArgs {
   Plan plan;
   Rows rows;
@@ -60,15 +91,24 @@ struct SearchArgs {
   int64_t dim;
   int64_t k;
   int64_t rescore;        // candidates kept by approximate score (>= k); 0: exact scan (no quantized tables)
+  const Blocks* blocks;   // the rows' fast-scan layout with the groups of `groups`; null: exact scan
   int threads;
   float* out_values;      // (nq, k), best first; -inf padding
   int64_t* out_rows;      // (nq, k); -1 padding
 };
 
-// Runs the search; returns the name of the kernel used ("avx2" or "scalar").
-const char* search(const SearchArgs& args, bool allow_simd);
+// Instruction sets of the kernels, in order: the scalar exact kernel, the AVX2 fast scan, the fast scan with
+// 512-bit shuffles for the nibble pairs.
+enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// Runs the search with the best kernel this CPU has, up to `max_isa`; returns its name ("avx512", "avx2" or
+// "scalar").
+const char* search(const SearchArgs& args, Isa max_isa);
 
 // True when this CPU runs the AVX2 kernel (AVX2 and FMA).
 bool has_avx2();
+
+// True when this CPU runs the AVX-512 kernel (AVX-512 F and BW, with AVX2 and FMA).
+bool has_avx512();
 
 }  // namespace tqvec

@@ -1,13 +1,20 @@
 // Python bindings of the fast-scan search (module tqvec._native); the Python side is tqvec/_fastscan.py.
+//
+// What does not change between searches is checked and held once: a Plan (how a layout's rows are read) and a
+// Rows object (the row-major codes, side fields, groups and, for the SIMD kernel, their fast-scan layout). A
+// search call then converts only the queries and the probes.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
-#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 
+#include <algorithm>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "fastscan.h"
+#include "queries.h"
 
 namespace nb = nanobind;
 
@@ -25,47 +32,138 @@ void require(bool ok, const char* message) {  // a C string: no allocation on th
   if (!ok) throw std::invalid_argument(message);
 }
 
-nb::tuple search(Array<uint8_t, nb::ndim<2>> packed, Array<int32_t, nb::ndim<1>> step_byte,
-                 Array<int32_t, nb::ndim<1>> step_shift, Array<int32_t, nb::ndim<1>> step_width,
-                 Array<int32_t, nb::ndim<2>> step_channel, Array<int32_t, nb::ndim<1>> step_offset,
-                 Array<float, nb::ndim<1>> step_level,
-                 Array<float, nb::ndim<2>> queries, Array<float> scale, Array<float> bias,
-                 Array<int64_t, nb::ndim<1>> offsets, Array<int64_t> list_rows, Array<int64_t> probe,
-                 Array<float> probe_constant, int64_t k, int64_t rescore, int threads, bool allow_simd) {
-  const int64_t n = static_cast<int64_t>(packed.shape(0)), row_bytes = static_cast<int64_t>(packed.shape(1));
-  const size_t steps = step_byte.shape(0);
-  const int64_t nq = static_cast<int64_t>(queries.shape(0)), dim = static_cast<int64_t>(queries.shape(1));
-  require(step_shift.shape(0) == steps && step_width.shape(0) == steps, "step arrays differ in length");
-  require(step_channel.shape(0) == steps && step_channel.shape(1) == tqvec::kMaxStepChannels, "step_channel must be (steps, 4)");
-  require(step_offset.shape(0) == steps + 1 && step_offset.data()[0] == 0, "step_offset must be (steps + 1,) from 0");
-  require(step_level.shape(0) == tqvec::kMaxStepChannels * static_cast<size_t>(step_offset.data()[steps]),
-          "step_level must hold 4 levels per table entry");
-  for (size_t t = 0; t < steps; ++t) {
-    const int32_t b = step_byte.data()[t], s = step_shift.data()[t], w = step_width.data()[t];
-    require(w >= 1 && w <= 8 && s >= 0 && s < 8 && b >= 0 && b + (s + w > 8 ? 1 : 0) < row_bytes, "step outside the row");
-    require(step_offset.data()[t + 1] - step_offset.data()[t] == (1 << w), "a step table must have 2^width entries");
-    for (int j = 0; j < tqvec::kMaxStepChannels; ++j) {
-      const int32_t c = step_channel.data()[t * tqvec::kMaxStepChannels + j];
-      require(c >= -1 && c < dim, "step channel outside the query");
-      require(j == 0 || c == -1 || step_channel.data()[t * tqvec::kMaxStepChannels + j - 1] >= 0,
-              "a step's channels must fill its first slots");
+// A checked copy of the steps that read one layout (see tqvec::Plan).
+class PlanHandle {
+ public:
+  PlanHandle(Array<int32_t, nb::ndim<1>> byte, Array<int32_t, nb::ndim<1>> shift, Array<int32_t, nb::ndim<1>> width,
+             Array<int32_t, nb::ndim<2>> channel, Array<int32_t, nb::ndim<1>> offset, Array<float, nb::ndim<1>> level) {
+    const size_t steps = byte.shape(0);
+    require(shift.shape(0) == steps && width.shape(0) == steps, "step arrays differ in length");
+    require(channel.shape(0) == steps && channel.shape(1) == tqvec::kMaxStepChannels, "step_channel must be (steps, 4)");
+    require(offset.shape(0) == steps + 1 && offset.data()[0] == 0, "step_offset must be (steps + 1,) from 0");
+    require(level.shape(0) == tqvec::kMaxStepChannels * static_cast<size_t>(offset.data()[steps]),
+            "step_level must hold 4 levels per table entry");
+    for (size_t t = 0; t < steps; ++t) {
+      const int32_t b = byte.data()[t], s = shift.data()[t], w = width.data()[t];
+      require(w >= 1 && w <= 8 && s >= 0 && s < 8 && b >= 0, "a step must read 1 to 8 bits inside the row");
+      require(offset.data()[t + 1] - offset.data()[t] == (1 << w), "a step table must have 2^width entries");
+      last_byte_ = std::max(last_byte_, b + (s + w > 8 ? 1 : 0));
+      for (int j = 0; j < tqvec::kMaxStepChannels; ++j) {
+        const int32_t c = channel.data()[t * tqvec::kMaxStepChannels + j];
+        require(c >= -1 && (j == 0 || c == -1 || channel.data()[t * tqvec::kMaxStepChannels + j - 1] >= 0),
+                "a step's channels must fill its first slots");
+        last_channel_ = std::max(last_channel_, c);
+      }
+    }
+    byte_.assign(byte.data(), byte.data() + steps);
+    shift_.assign(shift.data(), shift.data() + steps);
+    width_.assign(width.data(), width.data() + steps);
+    channel_.assign(channel.data(), channel.data() + channel.size());
+    offset_.assign(offset.data(), offset.data() + steps + 1);
+    level_.assign(level.data(), level.data() + level.size());
+  }
+
+  tqvec::Plan view() const {
+    return {static_cast<int>(byte_.size()), byte_.data(), shift_.data(), width_.data(), channel_.data(), offset_.data(),
+            level_.data()};
+  }
+  int32_t last_byte() const { return last_byte_; }
+  int32_t last_channel() const { return last_channel_; }
+
+ private:
+  std::vector<int32_t> byte_, shift_, width_, channel_, offset_;
+  std::vector<float> level_;
+  int32_t last_byte_ = -1, last_channel_ = -1;
+};
+
+// The rows a search reads: row-major codes (n, row_bytes) with their scale / bias (n,) or empty, grouped by
+// offsets (and list_rows, each in [0, n)), plus their fast-scan layout when `arrange` is set. Holds references
+// to the arrays, which must not change while it lives.
+class RowsHandle {
+ public:
+  RowsHandle(Array<uint8_t, nb::ndim<2>> packed, Array<float> scale, Array<float> bias, Array<int64_t, nb::ndim<1>> offsets,
+             Array<int64_t> list_rows, bool arrange)
+      : packed_(packed), scale_(scale), bias_(bias), offsets_(offsets), list_rows_(list_rows) {
+    const int64_t n = static_cast<int64_t>(packed.shape(0));
+    require(scale.size() == 0 || scale.size() == static_cast<size_t>(n), "scale must have one entry per row");
+    require(bias.size() == 0 || bias.size() == static_cast<size_t>(n), "bias must have one entry per row");
+    require(offsets.shape(0) >= 2, "offsets must have at least two entries");
+    const int64_t n_groups = static_cast<int64_t>(offsets.shape(0)) - 1;
+    const int64_t* off = offsets.data();
+    for (int64_t g = 0; g < n_groups; ++g) require(off[g] >= 0 && off[g] <= off[g + 1], "offsets must be non-decreasing from 0");
+    require(off[n_groups] <= (list_rows.size() ? static_cast<int64_t>(list_rows.size()) : n), "offsets reach past the rows");
+    for (size_t i = 0; i < list_rows.size(); ++i)
+      require(list_rows.data()[i] >= 0 && list_rows.data()[i] < n, "a list row lies outside the rows");
+    rows_ = {packed.data(), n, static_cast<int64_t>(packed.shape(1)), optional_data(scale), optional_data(bias)};
+    groups_ = {off, optional_data(list_rows), n_groups, nullptr, nullptr, 1};
+    if (arrange) {
+      nb::gil_scoped_release release;
+      blocks_ = tqvec::arrange(rows_, off, groups_.list_rows, n_groups);
+      layout_ = blocks_->view();
     }
   }
-  require(scale.size() == 0 || scale.size() == static_cast<size_t>(n), "scale must have one entry per row");
-  require(bias.size() == 0 || bias.size() == static_cast<size_t>(n), "bias must have one entry per row");
-  const int64_t n_groups = static_cast<int64_t>(offsets.shape(0)) - 1;
-  require(n_groups >= 1, "offsets must have at least two entries");
-  const int64_t* off = offsets.data();
-  // list_rows entries are trusted to lie in [0, n): tqvec/_fastscan.py checks them once per index snapshot
-  for (int64_t g = 0; g < n_groups; ++g) require(off[g] >= 0 && off[g] <= off[g + 1], "offsets must be non-decreasing from 0");
-  require(off[n_groups] <= (list_rows.size() ? static_cast<int64_t>(list_rows.size()) : n), "offsets reach past the rows");
-  int64_t n_probe = 1;
+
+  const tqvec::Rows& rows() const { return rows_; }
+  const tqvec::Groups& groups() const { return groups_; }
+  const tqvec::Blocks* layout() const { return blocks_ ? &layout_ : nullptr; }
+  size_t layout_nbytes() const { return blocks_ ? blocks_->nbytes() : 0; }
+
+ private:
+  Array<uint8_t, nb::ndim<2>> packed_;  // the arrays stay referenced while the handle lives
+  Array<float> scale_, bias_;
+  Array<int64_t, nb::ndim<1>> offsets_;
+  Array<int64_t> list_rows_;
+  tqvec::Rows rows_{};
+  tqvec::Groups groups_{};
+  std::optional<tqvec::BlockStore> blocks_;
+  tqvec::Blocks layout_{};
+};
+
+// What an index does to its queries before the scan (tqvec::QueryTransform and tqvec::Coarse), holding its arrays.
+class QueryHandle {
+ public:
+  QueryHandle(int64_t dim, Array<float> rotation, Array<float> signs, bool normalize, Array<float> center,
+              Array<float> centroids, Array<float> half_squared, bool residual, Array<float> base)
+      : rotation_(rotation), signs_(signs), center_(center), centroids_(centroids), half_squared_(half_squared), base_(base) {
+    require(dim >= 1, "dim must be positive");
+    const bool haar = rotation.size() > 0;
+    require(haar != (signs.size() > 0), "give the rotation matrix or the Hadamard signs");
+    const int64_t out_dim = haar ? static_cast<int64_t>(rotation.size()) / dim : static_cast<int64_t>(signs.size());
+    require(haar ? rotation.size() == static_cast<size_t>(out_dim * dim) : (out_dim >= dim && (out_dim & (out_dim - 1)) == 0),
+            "the rotation must be (out_dim, dim), or out_dim >= dim signs, a power of two");
+    require(center.size() == 0 || center.size() == static_cast<size_t>(dim), "center must have dim entries");
+    require(base.size() == 0 || base.size() == static_cast<size_t>(dim), "base must have dim entries");
+    const int64_t n_lists = static_cast<int64_t>(centroids.size()) / dim;
+    require(centroids.size() == static_cast<size_t>(n_lists * dim), "centroids must be (nlist, dim)");
+    require(half_squared.size() == 0 || half_squared.size() == static_cast<size_t>(n_lists), "half_squared must have nlist entries");
+    require(n_lists == 0 || center.size() == 0, "an inverted-file index has no flat center");
+    transform_ = {dim, out_dim, optional_data(rotation), optional_data(signs), normalize, optional_data(center)};
+    coarse_ = {n_lists, 0, optional_data(centroids), optional_data(half_squared), residual, optional_data(base)};
+  }
+
+  const tqvec::QueryTransform& transform() const { return transform_; }
+  const tqvec::Coarse& coarse() const { return coarse_; }
+
+ private:
+  Array<float> rotation_, signs_, center_, centroids_, half_squared_, base_;  // referenced while the handle lives
+  tqvec::QueryTransform transform_{};
+  tqvec::Coarse coarse_{};
+};
+
+nb::tuple search(const PlanHandle& plan, const RowsHandle& source, Array<float, nb::ndim<2>> queries, Array<int64_t> probe,
+                 Array<float> probe_constant, int64_t k, int64_t rescore, int threads, int max_isa) {
+  const int64_t nq = static_cast<int64_t>(queries.shape(0)), dim = static_cast<int64_t>(queries.shape(1));
+  require(plan.last_byte() < source.rows().row_bytes, "the plan reads past the end of a row");
+  require(plan.last_channel() < dim, "the plan reads a channel the queries do not have");
+  tqvec::Groups groups = source.groups();
   if (probe.size()) {
     require(probe.ndim() == 2 && probe.shape(0) == static_cast<size_t>(nq), "probe must be (nq, nprobe)");
-    n_probe = static_cast<int64_t>(probe.shape(1));
     require(probe_constant.size() == 0 || probe_constant.size() == probe.size(), "probe_constant must match probe");
+    groups.probe = probe.data();
+    groups.probe_constant = optional_data(probe_constant);
+    groups.n_probe = static_cast<int64_t>(probe.shape(1));
   } else {
-    require(n_groups == 1, "several groups need probe");
+    require(groups.n_groups == 1, "several groups need probe");
   }
   require(k >= 1 && rescore >= 0, "k must be positive and rescore non-negative");
 
@@ -73,30 +171,67 @@ nb::tuple search(Array<uint8_t, nb::ndim<2>> packed, Array<int32_t, nb::ndim<1>>
   auto* rows = new int64_t[static_cast<size_t>(nq * k)];
   nb::capsule own_values(values, [](void* p) noexcept { delete[] static_cast<float*>(p); });
   nb::capsule own_rows(rows, [](void* p) noexcept { delete[] static_cast<int64_t*>(p); });
-
-  tqvec::SearchArgs args{
-      {static_cast<int>(steps), step_byte.data(), step_shift.data(), step_width.data(), step_channel.data(),
-       step_offset.data(), step_level.data()},
-      {packed.data(), n, row_bytes, optional_data(scale), optional_data(bias)},
-      {off, optional_data(list_rows), n_groups, optional_data(probe), optional_data(probe_constant), n_probe},
-      queries.data(), nq, dim, k, rescore, threads, values, rows};
-  std::string kernel;
+  const tqvec::SearchArgs args{plan.view(), source.rows(), groups, queries.data(), nq, dim, k, rescore,
+                               source.layout(), threads, values, rows};
+  const char* kernel;
   {
     nb::gil_scoped_release release;
-    kernel = tqvec::search(args, allow_simd);
+    kernel = tqvec::search(args, static_cast<tqvec::Isa>(std::clamp(max_isa, 0, 2)));
   }
   const size_t shape[2] = {static_cast<size_t>(nq), static_cast<size_t>(k)};
   return nb::make_tuple(nb::ndarray<nb::numpy, float, nb::ndim<2>>(values, 2, shape, own_values),
                         nb::ndarray<nb::numpy, int64_t, nb::ndim<2>>(rows, 2, shape, own_rows), kernel);
 }
 
+// Prepares raw queries (nq, dim) as `prep` says (rotation, probed lists and their constants) and searches `source`
+// with them, all on the search's threads: (values (nq, k), rows (nq, k), kernel name).
+nb::tuple search_queries(const PlanHandle& plan, const RowsHandle& source, const QueryHandle& prep,
+                         Array<float, nb::ndim<2>> queries, int64_t n_probe, int64_t k, int64_t rescore, int threads,
+                         int max_isa) {
+  const int64_t nq = static_cast<int64_t>(queries.shape(0));
+  require(static_cast<int64_t>(queries.shape(1)) == prep.transform().dim, "queries have the wrong dimension");
+  tqvec::Coarse coarse = prep.coarse();
+  if (coarse.n_lists) {
+    require(coarse.n_lists == source.groups().n_groups, "the rows are grouped in other lists than the centroids");
+    require(n_probe >= 1 && n_probe <= coarse.n_lists, "n_probe must lie in [1, nlist]");
+    coarse.n_probe = n_probe;
+  } else {
+    require(source.groups().n_groups == 1, "a flat search reads one group");
+    n_probe = 1;
+  }
+  std::vector<float> rotated(static_cast<size_t>(nq * prep.transform().out_dim)), constant(static_cast<size_t>(nq * n_probe));
+  std::vector<int64_t> probe(static_cast<size_t>(nq * n_probe));
+  {
+    nb::gil_scoped_release release;
+    tqvec::prepare_queries(prep.transform(), coarse, queries.data(), nq, threads, rotated.data(), probe.data(), constant.data());
+  }
+  const size_t rotated_shape[2] = {static_cast<size_t>(nq), static_cast<size_t>(prep.transform().out_dim)};
+  const size_t probe_shape[2] = {static_cast<size_t>(nq), static_cast<size_t>(n_probe)};
+  return search(plan, source, Array<float, nb::ndim<2>>(rotated.data(), 2, rotated_shape, nb::handle()),
+                Array<int64_t>(probe.data(), 2, probe_shape, nb::handle()),
+                Array<float>(constant.data(), 2, probe_shape, nb::handle()), k, rescore, threads, max_isa);
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
   m.doc() = "Fast-scan top-k search over packed TurboQuant codes (see tqvec/_fastscan.py).";
-  m.def("search", &search, nb::arg("packed"), nb::arg("step_byte"), nb::arg("step_shift"), nb::arg("step_width"),
-        nb::arg("step_channel"), nb::arg("step_offset"), nb::arg("step_level"), nb::arg("queries"), nb::arg("scale"), nb::arg("bias"),
-        nb::arg("offsets"), nb::arg("list_rows"), nb::arg("probe"), nb::arg("probe_constant"), nb::arg("k"),
-        nb::arg("rescore"), nb::arg("threads"), nb::arg("allow_simd"));
+  nb::class_<PlanHandle>(m, "Plan", "The checked steps that read one packed layout.")
+      .def(nb::init<Array<int32_t, nb::ndim<1>>, Array<int32_t, nb::ndim<1>>, Array<int32_t, nb::ndim<1>>,
+                    Array<int32_t, nb::ndim<2>>, Array<int32_t, nb::ndim<1>>, Array<float, nb::ndim<1>>>(),
+           nb::arg("byte"), nb::arg("shift"), nb::arg("width"), nb::arg("channel"), nb::arg("offset"), nb::arg("level"));
+  nb::class_<RowsHandle>(m, "Rows", "Rows to search: codes, side fields, groups and their fast-scan layout.")
+      .def(nb::init<Array<uint8_t, nb::ndim<2>>, Array<float>, Array<float>, Array<int64_t, nb::ndim<1>>, Array<int64_t>, bool>(),
+           nb::arg("packed"), nb::arg("scale"), nb::arg("bias"), nb::arg("offsets"), nb::arg("list_rows"), nb::arg("arrange"))
+      .def_prop_ro("layout_nbytes", &RowsHandle::layout_nbytes, "Bytes of the fast-scan layout (0 when not arranged).");
+  m.def("search", &search, nb::arg("plan"), nb::arg("rows"), nb::arg("queries"), nb::arg("probe"), nb::arg("probe_constant"),
+        nb::arg("k"), nb::arg("rescore"), nb::arg("threads"), nb::arg("max_isa"));
+  nb::class_<QueryHandle>(m, "Queries", "What an index does to its queries before the scan.")
+      .def(nb::init<int64_t, Array<float>, Array<float>, bool, Array<float>, Array<float>, Array<float>, bool, Array<float>>(),
+           nb::arg("dim"), nb::arg("rotation"), nb::arg("signs"), nb::arg("normalize"), nb::arg("center"), nb::arg("centroids"),
+           nb::arg("half_squared"), nb::arg("residual"), nb::arg("base"));
+  m.def("search_queries", &search_queries, nb::arg("plan"), nb::arg("rows"), nb::arg("prep"), nb::arg("queries"),
+        nb::arg("n_probe"), nb::arg("k"), nb::arg("rescore"), nb::arg("threads"), nb::arg("max_isa"));
   m.def("has_avx2", &tqvec::has_avx2, "True when this CPU runs the AVX2 kernel.");
+  m.def("has_avx512", &tqvec::has_avx512, "True when this CPU runs the AVX-512 kernel.");
 }

@@ -84,24 +84,42 @@ def test_ivf_index_matches_torch(kernel, metric: str, encoding: str) -> None:
     _assert_same_results(*_search_both(kernel, index, q[:1], 10, nprobe=3))
 
 
-def test_exact_kernel_equals_simd_kernel() -> None:
-    """The scalar kernel (exact float tables for every row) and the AVX2 kernel (8-bit tables, then an exact re-score
-    of the best candidates) return the same rows on 4-, 3-, 2- and 1-bit segments with a straddling tail."""
+@pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
+def test_hadamard_rotation_and_zero_queries_match_torch(kernel, metric: str) -> None:
+    """The kernel prepares queries itself (normalize, Walsh-Hadamard rotation with d = 93 padded to 128, probes):
+    as torch does, for a flat and an inverted-file index, a zero query included."""
+    x, q = _data(1200, 93, seed=20), _data(7, 93, seed=21)
+    q[3] = 0.0
+    for index in (Index(93, 3, metric, rotation="hadamard", correction="center", seed=22),
+                  IVFIndex(93, 12, 3, metric, encoding="direct", rotation="hadamard", correction="center", seed=23),
+                  IVFIndex(93, 12, 4, metric, encoding="residual", rotation="hadamard", seed=24)):
+        index.add(x)
+        kw = {"nprobe": 5} if isinstance(index, IVFIndex) else {}
+        _assert_same_results(*_search_both(kernel, index, q, 10, **kw))
+
+
+@pytest.mark.parametrize("dim,bits", [(67, 2.7), (93, 4), (384, 4), (50, 1), (64, 2)])
+def test_every_kernel_returns_the_same_rows(dim: int, bits: float) -> None:
+    """The scalar kernel (exact float tables for every row) and the fast scans (8-bit tables, then an exact
+    re-score of the best candidates; AVX2, and AVX-512 where the CPU has it) return the same rows: 4-, 3-, 2- and
+    1-bit segments, straddling tails, odd and even runs of nibble pairs, lists of sizes not a multiple of 32."""
     if not _fastscan.simd():
         pytest.skip("this CPU has no AVX2 + FMA: only the scalar kernel exists")
-    quantizer = TurboQuantizer(67, 2.7, seed=7, rescale=True)
-    codes = quantizer.encode(_data(2000, 67, seed=8))
-    rotated, _ = quantizer.rotate_queries(_data(9, 67, seed=9))
+    quantizer = TurboQuantizer(dim, bits, seed=7, rescale=True)
+    codes = quantizer.encode(_data(2000, dim, seed=8))
+    rotated, _ = quantizer.rotate_queries(_data(9, dim, seed=9))
     plan = quantizer.table("cpu").native_plan()
+    lists = _fastscan.Lists(np.array([0, 700, 701, 1333, 2000], np.int64), np.random.default_rng(3).permutation(2000))
+    probe = np.array([[0, 2, -1], [1, 3, 2]] * 4 + [[3, 0, 1]], np.int64)
+    constant = np.random.default_rng(4).standard_normal(probe.shape).astype(np.float32)
+    source = _fastscan.rows(codes.packed, codes.scales, None, plan, lists)
     out = {}
-    for simd in (False, True):
-        empty = np.zeros((0, 0))
-        values, rows, name = _fastscan._native.search(
-            codes.packed.numpy(), plan.byte, plan.shift, plan.width, plan.channel, plan.offset, plan.level, rotated.numpy(),
-            codes.scales.numpy(), np.zeros(0, np.float32), np.array([0, len(codes)], np.int64), np.zeros(0, np.int64),
-            empty.astype(np.int64), empty.astype(np.float32), 10, 64, 1, simd)
+    for isa, name in enumerate(_fastscan.kernels()):
+        values, rows, used = _fastscan._native.search(plan.handle, source, rotated.numpy(), probe, constant, 10, 64, 1, isa)
+        assert used == name
         out[name] = (values, rows)
-    _assert_same_results(out["scalar"], out["avx2"])
+    for name in _fastscan.kernels()[1:]:
+        _assert_same_results(out["scalar"], out[name])
 
 
 def test_threads_do_not_change_results(kernel) -> None:

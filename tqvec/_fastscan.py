@@ -3,7 +3,8 @@
 A packed row is read as a sequence of *steps* (:func:`plan`), each a code with its own table: a 4-bit
 channel, two 2-bit or four 1-bit channels per nibble, one 3- to 8-bit channel per step (read across a byte
 boundary where it straddles one). Where every step has at most 4 bits and the CPU has AVX2 + FMA, the kernel
-transposes 32 rows at a time, scans them with 8-bit tables (one byte shuffle looks up 32 rows), keeps the best
+scans the rows in a fast-scan layout built once per index snapshot (:func:`arrange`: blocks of 32 rows, byte-major)
+with 8-bit tables (one byte shuffle looks up 32 rows, 64 with AVX-512 BW), keeps the best
 ``rescore`` rows by that estimate and re-scores those exactly with float tables, so its top-k equals the exact
 one unless the table rounding moved a row across the ``rescore``-th place (:func:`rescore_count`; 3-bit codes
 cost a shuffle each, 4-bit codes half of one). Wider codes, or a CPU without AVX2, take the exact kernel:
@@ -14,6 +15,7 @@ variable ``TQVEC_CPU_KERNEL``, else ``"auto"``). Threads: ``torch.get_num_thread
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 
 from .packing import Layout
+from .rotation import Rotation
 
 try:
     from . import _native
@@ -33,6 +36,8 @@ RESCORE_MIN = 32
 #: ... and this many per result
 RESCORE_PER_RESULT = 2
 _setting = {"kernel": os.environ.get("TQVEC_CPU_KERNEL", "auto")}
+#: the native kernel's instruction-set cap: 0 scalar, 1 AVX2, 2 AVX-512 (the best this CPU has is used)
+MAX_ISA = 2
 
 
 def set_cpu_kernel(kernel: str) -> None:
@@ -60,8 +65,16 @@ def available() -> bool:
 
 
 def simd() -> bool:
-    """True when the extension runs its AVX2 kernel on this CPU."""
+    """True when the extension runs its fast scan (AVX2, or AVX-512 where present) on this CPU."""
     return _native is not None and bool(_native.has_avx2())
+
+
+def kernels() -> tuple[str, ...]:
+    """The kernels this CPU runs, fastest last: ``"scalar"`` (exact float tables, any CPU), ``"avx2"`` and
+    ``"avx512"`` (the fast scan with 256- or 512-bit shuffles). :func:`search` runs the fastest."""
+    if _native is None:
+        return ()
+    return ("scalar", "avx2", "avx512")[: 1 + bool(_native.has_avx2()) + bool(_native.has_avx512())]
 
 
 def rescore_count(k: int) -> int:
@@ -83,6 +96,16 @@ class Plan:
     channel: np.ndarray
     offset: np.ndarray
     level: np.ndarray
+
+    @functools.cached_property
+    def handle(self) -> _native.Plan:
+        """The extension's checked copy of this plan, built once."""
+        return _native.Plan(self.byte, self.shift, self.width, self.channel, self.offset, self.level)
+
+    @functools.cached_property
+    def narrow(self) -> bool:
+        """True when every step has at most 4 bits (what the fast scan reads)."""
+        return bool(np.all(self.width <= 4))
 
 
 def plan(layout: Layout, levels: torch.Tensor) -> Plan:
@@ -121,13 +144,19 @@ def plan(layout: Layout, levels: torch.Tensor) -> Plan:
 
 
 @dataclass(frozen=True)
-class Groups:
-    """Rows scanned per query, for inverted lists: list ``l`` holds rows ``rows[offsets[l]:offsets[l + 1]]``;
-    query ``i`` scans lists ``probe[i]`` (−1: none) adding ``constant[i, j]`` to the scores from ``probe[i, j]``."""
+class Lists:
+    """Inverted lists over the rows of one code block: list ``l`` holds rows ``rows[offsets[l]:offsets[l + 1]]``."""
 
     offsets: np.ndarray  # (nlist + 1,) int64
     rows: np.ndarray  # (total,) int64, each in [0, n)
-    probe: np.ndarray  # (nq, nprobe) int64
+
+
+@dataclass(frozen=True)
+class Probes:
+    """The lists each query scans: query ``i`` scans lists ``lists[i]`` (−1: none), adding ``constant[i, j]`` to
+    the scores from list ``lists[i, j]``."""
+
+    lists: np.ndarray  # (nq, nprobe) int64
     constant: np.ndarray  # (nq, nprobe) float32
 
 
@@ -145,13 +174,18 @@ def _array(t: torch.Tensor | None, dtype: type) -> np.ndarray:
     return array if array.dtype == dtype and array.flags.c_contiguous else np.ascontiguousarray(array, dtype=dtype)
 
 
-def search(queries: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-           steps: Plan, k: int, groups: Groups | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-``k`` of ``scale · ⟨query, ŷ_row⟩ + bias (+ group constant)`` per query, as :func:`tqvec.scan.search`.
+def fast_scan(steps: Plan) -> bool:
+    """True when searches read by ``steps`` run the SIMD fast scan on this CPU (every step of at most 4 bits)."""
+    return simd() and steps.narrow
 
-    ``queries`` ``(nq, D)`` float32 rotated queries; ``packed`` ``(n, row_bytes)`` uint8 codes read by ``steps``;
-    ``scale``/``bias`` ``(n,)`` or None; ``groups`` restricts and offsets the rows per query (None: all rows).
-    Returns ``(values (nq, k) float32, rows (nq, k) int64)``, best first, ``-inf`` / −1 padding.
+
+def rows(packed: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, steps: Plan,
+         lists: Lists | None = None) -> _native.Rows:
+    """What :func:`search` reads, checked and held once per index snapshot: ``packed`` ``(n, row_bytes)`` codes with
+    their ``scale`` / ``bias`` ``(n,)`` (None: 1 / 0), grouped by ``lists`` (None: one group of all rows), and, where
+    ``steps`` run the fast scan (:func:`fast_scan`), their fast-scan layout: each list's rows in blocks of 32,
+    byte-major within a block (the kernel scans it; it reads the row-major codes only to re-score). The arrays
+    must not change while the result lives (index snapshots never change).
 
     Raises
     ------
@@ -160,14 +194,46 @@ def search(queries: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | No
     """
     if _native is None:
         raise RuntimeError("the native CPU kernel is not built: reinstall tqvec with a C++17 compiler present")
-    n, nq = packed.shape[0], queries.shape[0]
-    if n == 0:
-        return torch.full((nq, k), float("-inf")), torch.full((nq, k), -1, dtype=torch.int64)
-    if groups is None:
-        groups = Groups(np.array([0, n], np.int64), _NONE[np.dtype(np.int64)], *_NO_PROBE)
-    values, rows, _ = _native.search(
-        _array(packed, np.uint8), steps.byte, steps.shift, steps.width, steps.channel, steps.offset,
-        steps.level,
-        _array(queries, np.float32), _array(scale, np.float32), _array(bias, np.float32), groups.offsets,
-        groups.rows, groups.probe, groups.constant, int(k), rescore_count(k), max(1, torch.get_num_threads()), True)
-    return torch.from_numpy(values), torch.from_numpy(rows)
+    lists = lists or Lists(np.array([0, packed.shape[0]], np.int64), _NONE[np.dtype(np.int64)])
+    return _native.Rows(_array(packed, np.uint8), _array(scale, np.float32), _array(bias, np.float32), lists.offsets,
+                        lists.rows, fast_scan(steps))
+
+
+def search(queries: np.ndarray, source: _native.Rows, steps: Plan, k: int,
+           probes: Probes | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Top-``k`` of ``scale · ⟨query, ŷ_row⟩ + bias (+ list constant)`` per query, as :func:`tqvec.scan.search`.
+
+    ``queries`` ``(nq, D)`` float32 rotated queries; ``source`` the rows (:func:`rows`) read by ``steps``; ``probes``
+    restrict and offset the rows per query when ``source`` has lists (None: all rows). Returns
+    ``(values (nq, k) float32, rows (nq, k) int64)`` numpy arrays, best first, ``-inf`` / −1 padding.
+    """
+    probe, constant = (probes.lists, probes.constant) if probes is not None else _NO_PROBE
+    values, found, _ = _native.search(steps.handle, source, np.ascontiguousarray(queries, np.float32), probe, constant,
+                                      int(k), rescore_count(k), max(1, torch.get_num_threads()), MAX_ISA)
+    return values, found
+
+
+def query_prep(rotation: Rotation, normalize: bool, center: torch.Tensor | None = None,
+               centroids: torch.Tensor | None = None, by_ip: bool = True, residual: bool = False,
+               base: torch.Tensor | None = None) -> "_native.Queries":
+    """What an index does to a query before the scan, for :func:`search_queries`: ``normalize`` it (cosine),
+    rotate it with ``rotation``; a flat index subtracts its ``center`` first (adding ``⟨q, c⟩ − ‖c‖²`` to the
+    scores); an inverted-file index probes the lists of ``centroids`` ``(nlist, dim)`` (largest ``⟨q, c_l⟩`` when
+    ``by_ip``, else nearest in L2) with constant ``⟨q, c_l⟩`` (``residual``) or ``⟨q, base⟩`` (0 without ``base``).
+    Hold the result while these tensors stay the same."""
+    matrix = rotation.matrix("cpu") if rotation.kind == "haar" else None
+    signs = rotation.signs("cpu") if rotation.kind == "hadamard" else None
+    half = None if centroids is None or by_ip else 0.5 * (centroids * centroids).sum(1)
+    return _native.Queries(rotation.dim, _array(matrix, np.float32), _array(signs, np.float32), normalize,
+                           _array(center, np.float32), _array(centroids, np.float32), _array(half, np.float32), residual,
+                           _array(base, np.float32))
+
+
+def search_queries(queries: np.ndarray, source: "_native.Rows", steps: Plan, prep: "_native.Queries", k: int,
+                   nprobe: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`search` of raw ``queries`` ``(nq, dim)`` float32 (validated) prepared natively as ``prep`` says
+    (:func:`query_prep`), probing ``nprobe`` lists when it has centroids: one call, on the search's threads."""
+    values, found, _ = _native.search_queries(steps.handle, source, prep, np.ascontiguousarray(queries, np.float32),
+                                              int(nprobe), int(k), rescore_count(k), max(1, torch.get_num_threads()),
+                                              MAX_ISA)
+    return values, found

@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import scan, storage
+from . import _fastscan, scan, storage
 from .packing import Layout, layout_for_bytes, read_tail, write_tail
 from .quantizer import Codes, TurboQuantizer
 from .rotation import rotated_dim, rowwise_matmul
@@ -179,8 +179,13 @@ def new_ids(ids: Any, n: int, next_id: int, table: tuple[np.ndarray, np.ndarray]
     return new
 
 
+def _numpy(t: torch.Tensor | np.ndarray) -> np.ndarray:
+    return t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t
+
+
 def search_results(
-    metric: str, q: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor, ids: np.ndarray, k: int | None = None,
+    metric: str, q: torch.Tensor | np.ndarray, scores: torch.Tensor | np.ndarray, rows: torch.Tensor | np.ndarray,
+    ids: np.ndarray, k: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """FAISS-style ``(D, I)`` float32 / int64 ``(nq, k)`` from estimated inner products ``scores`` of queries ``q`` and
     their ``rows`` (−1: no result, given D ``±inf`` and I −1), ``ids[row]`` the stored id. L2 distances are the
@@ -192,13 +197,15 @@ def search_results(
 
     ``k`` (≥ the columns of ``scores``): pad the results to ``k`` columns with ∓inf / −1, so that a search may
     scan for at most ``ntotal`` results and still answer ``k`` (FAISS's convention)."""
-    rows_np = rows.cpu().numpy()
+    rows_np = _numpy(rows)
     labels = np.where(rows_np >= 0, ids[rows_np.clip(0)] if len(ids) else -1, -1)
+    scores_np = _numpy(scores).astype(np.float32, copy=False)
     if metric == "l2":
-        values = ((q * q).sum(1, keepdim=True) - 2 * scores).masked_fill(rows < 0, float("inf"))
+        q_np = _numpy(q)
+        squared = np.einsum("ij,ij->i", q_np, q_np).astype(np.float32)[:, None]
+        distances = np.where(rows_np < 0, np.float32(np.inf), squared - 2 * scores_np)
     else:
-        values = scores.masked_fill(rows < 0, float("-inf"))
-    distances = values.cpu().numpy().astype(np.float32)
+        distances = np.where(rows_np < 0, np.float32(-np.inf), scores_np)
     nan = np.isnan(distances)
     if nan.any():
         order = np.argsort(nan, axis=1, kind="stable")
@@ -324,6 +331,7 @@ class Index(CodedRows):
             fine_bits = check_bits(rerank_bits)
             self.fine_quantizer = TurboQuantizer(dim, fine_bits, "mse", rotation, seed + 1, rescale=True)
         self._center: torch.Tensor | None = None
+        self._query_prep: tuple[torch.Tensor | None, object] | None = None  # center -> the native query preparation
         self._center_pending = correction == "center"
         self._lock = threading.Lock()
         self._next_id = 0
@@ -516,6 +524,8 @@ class Index(CodedRows):
             rerank = check_positive_int("rerank", rerank)
             if self.fine_quantizer is None:
                 raise ValueError("rerank needs an index built with rerank_bits")
+        if rerank is None and scan.native_queries(q, self.quantizer.mode):
+            return self._search_native(q.numpy(), k)
         if self.metric == "cosine":
             q = torch.nn.functional.normalize(q, dim=1)
         published = self._rows  # consistent snapshot (module docstring)
@@ -533,6 +543,20 @@ class Index(CodedRows):
         if rerank is not None:
             values, rows = self._rerank(shifted, live, bias, rows, min(k, depth))
         return search_results(self.metric, q, values + constant[:, None], rows, live.ids, k=k)
+
+    def _search_native(self, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`search` of validated CPU queries ``x`` ``(nq, dim)`` in one native call (:func:`tqvec.scan.search_queries`)."""
+        published = self._rows  # consistent snapshot (module docstring)
+        n = published.size
+        if not published.scoring:
+            published.scoring.append(self.quantizer.code_block(*self._side(published.view().tensors)))
+        center = self._center
+        if self._query_prep is None or self._query_prep[0] is not center:
+            prep = _fastscan.query_prep(self.quantizer.rotation, self.metric == "cosine", center)
+            self._query_prep = (center, prep)
+        values, rows = scan.search_queries(x, published.scoring[0], self.quantizer.table(self.device), self._query_prep[1],
+                                           min(k, max(1, n)))
+        return search_results(self.metric, x, values, rows, published.ids[:n], k=k)
 
     def score(self, queries: Any, ids: Any) -> np.ndarray:
         """The estimates ``search`` ranks by, for given ``ids``: ``(nq, len(ids))`` float32 scores

@@ -100,14 +100,14 @@ class _Snapshot:
     cache: dict[str, scan.CodeBlock] = field(default_factory=dict, compare=False, repr=False)
 
     @functools.cached_property
-    def list_table(self) -> tuple[np.ndarray, np.ndarray]:
+    def list_table(self) -> _fastscan.Lists:
         """The lists as ``(offsets (nlist + 1,), rows (size,))`` int64 arrays for the native scan, built once."""
         sizes = np.array([len(rows) for rows in self.lists], np.int64)
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         rows = torch.cat(self.lists).long().cpu().numpy() if self.lists else np.zeros(0, np.int64)
         if len(rows) and (rows.min() < 0 or rows.max() >= self.size):
             raise RuntimeError("inverted lists name rows outside the index")
-        return offsets, rows
+        return _fastscan.Lists(offsets, rows)
 
 
 def kmeans(x: torch.Tensor, k: int, iterations: int = KMEANS_ITERATIONS, seed: int = 0,
@@ -202,6 +202,7 @@ class IVFIndex(CodedRows):
         if rerank_bits is not None:
             self.fine_quantizer = TurboQuantizer(dim, check_bits(rerank_bits), "mse", rotation, seed + 1, rescale=True)
         self.centroids: torch.Tensor | None = None  # (nlist, dim) float32
+        self._query_prep: tuple[tuple, object] | None = None  # (centroids, center) -> the native query preparation
         self._center: torch.Tensor | None = None
         self._center_pending = encoding == "direct" and correction == "center"
         self._lock = threading.Lock()
@@ -449,6 +450,8 @@ class IVFIndex(CodedRows):
             rerank = check_positive_int("rerank", rerank)
             if self.fine_quantizer is None:
                 raise ValueError("rerank needs an index built with rerank_bits")
+        if rerank is None and scan.native_queries(q, self.mode) and self._snap.size and self.centroids is not None:
+            return self._search_native(q.numpy(), k, min(nprobe, self.nlist))
         if self.metric == "cosine":
             q = torch.nn.functional.normalize(q, dim=1)
         snap, centroids, center = self._snap, self.centroids, self._center
@@ -458,24 +461,18 @@ class IVFIndex(CodedRows):
             return search_results(self.metric, q, values, torch.full((nq, k), -1, dtype=torch.int64, device=q.device), snap.ids)
         nprobe = min(nprobe, self.nlist)
         qc = q @ centroids.T  # (nq, nlist)
-        if self.metric == "ip":
-            probe = torch.topk(qc, nprobe, dim=1).indices
-        else:
-            probe = torch.topk(qc - 0.5 * (centroids * centroids).sum(1), nprobe, dim=1).indices
+        closeness = qc if self.metric == "ip" else qc - 0.5 * (centroids * centroids).sum(1)
+        # ties go to the lower list number, as in the native kernel
+        probe = torch.sort(closeness, dim=1, descending=True, stable=True).indices[:, :nprobe]
         if self.encoding == "residual":
             constant = qc
         else:  # one base for every list
             constant = (torch.zeros(nq, 1, device=q.device) if center is None else (q @ center)[:, None]).expand(-1, self.nlist)
         rotated, projected = self.quantizer.rotate_checked(q)
-        if "block" not in snap.cache:  # side fields widened once per snapshot
-            coded = {name: t for name, t in snap.tensors.items() if not name.startswith("fine")}
-            bias = coded["bias"].float() if "bias" in coded else None
-            snap.cache["block"] = self.quantizer.code_block(self._codes(coded), bias)
-        whole = snap.cache["block"]
+        whole = self._scan_block(snap)
         if scan.native_serves(rotated, whole, self.quantizer.table(self.device)):
-            offsets, members = snap.list_table
-            lists = _fastscan.Groups(offsets, members, probe.cpu().numpy(), constant.gather(1, probe).cpu().numpy())
-            values, rows = scan.search_lists(rotated, whole, self.quantizer.table(self.device), depth, lists)
+            probes = _fastscan.Probes(probe.cpu().numpy(), constant.gather(1, probe).cpu().numpy())
+            values, rows = scan.search_lists(rotated, whole, self.quantizer.table(self.device), depth, snap.list_table, probes)
         elif nq == 1 or nq * GATHER_RATIO <= len(torch.unique(probe)):
             values, rows = self._search_gather(snap, rotated, projected, probe, constant, depth)
         else:
@@ -483,6 +480,28 @@ class IVFIndex(CodedRows):
         if rerank is not None:
             values, rows = self._rerank(q, snap, rows, min(k, depth))
         return search_results(self.metric, q, values, rows, snap.ids, k=k)
+
+    def _scan_block(self, snap: _Snapshot) -> scan.CodeBlock:
+        """The scan's view of all rows of ``snap`` (side fields widened once per snapshot)."""
+        if "block" not in snap.cache:
+            coded = {name: t for name, t in snap.tensors.items() if not name.startswith("fine")}
+            bias = coded["bias"].float() if "bias" in coded else None
+            snap.cache["block"] = self.quantizer.code_block(self._codes(coded), bias)
+        return snap.cache["block"]
+
+    def _search_native(self, x: np.ndarray, k: int, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`search` of validated CPU queries ``x`` ``(nq, dim)`` on a non-empty trained index, in one native
+        call (:func:`tqvec.scan.search_queries`: normalizing, probing and rotating happen in the kernel)."""
+        snap, centroids, center = self._snap, self.centroids, self._center
+        key = (centroids, center)
+        if self._query_prep is None or any(a is not b for a, b in zip(self._query_prep[0], key)):
+            base = center if self.encoding == "direct" else None
+            prep = _fastscan.query_prep(self.quantizer.rotation, self.metric == "cosine", None, centroids,
+                                        by_ip=self.metric == "ip", residual=self.encoding == "residual", base=base)
+            self._query_prep = (key, prep)
+        values, rows = scan.search_queries(x, self._scan_block(snap), self.quantizer.table(self.device), self._query_prep[1],
+                                           min(k, snap.size), snap.list_table, nprobe)
+        return search_results(self.metric, x, values, rows, snap.ids, k=k)
 
     def _block(self, t: dict[str, torch.Tensor], extra_bias: torch.Tensor) -> scan.CodeBlock:
         """The scan's view of gathered rows ``t``, with ``extra_bias`` ``(n,)`` added to the stored bias."""

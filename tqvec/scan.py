@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from . import _fastscan
@@ -71,6 +72,9 @@ class CodeBlock:
     bias: torch.Tensor | None = None  # (n,) float32, added to every score
     signs: torch.Tensor | None = None  # (n, ceil(D / 8)) uint8 QJL sign bits
     sign_scale: torch.Tensor | None = None  # (n,) float32
+    #: what the native kernel reads, built once per block: all rows ("rows") or one list grouping ("lists":
+    #: (lists, rows)), with their fast-scan layout; two threads may both build one, and either result is kept
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __len__(self) -> int:
         return self.packed.shape[0]
@@ -143,6 +147,14 @@ def native_serves(queries: torch.Tensor, block: CodeBlock, table: CodeTable) -> 
     return reason is None
 
 
+def native_queries(queries: torch.Tensor, mode: str) -> bool:
+    """True when an index search of validated ``queries`` (on the index's device) runs natively end to end
+    (:func:`search_queries`): CPU queries, codes without QJL signs (``mode="mse"``), the extension built and the
+    CPU kernel not set to ``"torch"``. Indexes fall back to their torch path otherwise (and for rerank)."""
+    return (mode == "mse" and queries.device.type == "cpu" and _fastscan.available()
+            and _fastscan.cpu_kernel() != "torch")
+
+
 def scores(queries: torch.Tensor, block: CodeBlock, table: CodeTable, projected: torch.Tensor | None = None) -> torch.Tensor:
     """All scores ``(nq, n)`` float32 of rotated ``queries`` ``(nq, D)`` against ``block``."""
     _check(queries, projected, block, table)
@@ -178,16 +190,18 @@ def search(
 
         return ops.search(queries, block, table, k, projected)
     if native_serves(queries, block, table):
-        return _fastscan.search(queries, block.packed, block.scale, block.bias, table.native_plan(), k)
+        values, rows = _fastscan.search(queries.cpu().numpy(), native_rows(block, table), table.native_plan(), k)
+        return torch.from_numpy(values), torch.from_numpy(rows)
     return _search_torch(queries, block, table, k, projected)
 
 
-def search_lists(queries: torch.Tensor, block: CodeBlock, table: CodeTable, k: int, lists: _fastscan.Groups,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def search_lists(queries: torch.Tensor, block: CodeBlock, table: CodeTable, k: int, lists: _fastscan.Lists,
+                 probes: _fastscan.Probes) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`search` of each query over its own probed lists only, in one native call (inverted-file search):
-    query ``i`` scans the rows of lists ``lists.probe[i]``, adding ``lists.constant[i, j]`` to the scores from list
-    ``lists.probe[i, j]``. Rows index ``block``. Callers check :func:`native_serves` first (the torch strategies of
-    :class:`tqvec.ivf.IVFIndex` serve the rest).
+    query ``i`` scans the rows of lists ``probes.lists[i]`` of ``lists``, adding ``probes.constant[i, j]`` to the
+    scores from list ``probes.lists[i, j]``. Rows index ``block``. The lists' fast-scan layout is built on the first
+    call and kept in ``block.cache`` while ``lists`` stays the same object. Callers check :func:`native_serves` first
+    (the torch strategies of :class:`tqvec.ivf.IVFIndex` serve the rest).
 
     Raises
     ------
@@ -198,7 +212,27 @@ def search_lists(queries: torch.Tensor, block: CodeBlock, table: CodeTable, k: i
     queries = queries.float()
     if not native_serves(queries, block, table):
         raise RuntimeError("search_lists runs the native CPU kernel only: check native_serves first")
-    return _fastscan.search(queries, block.packed, block.scale, block.bias, table.native_plan(), k, lists)
+    values, rows = _fastscan.search(queries.cpu().numpy(), native_rows(block, table, lists), table.native_plan(), k, probes)
+    return torch.from_numpy(values), torch.from_numpy(rows)
+
+
+def native_rows(block: CodeBlock, table: CodeTable, lists: _fastscan.Lists | None = None) -> object:
+    """What the native kernel reads for ``block`` (grouped by ``lists``, None: all rows), built on the first call and
+    kept in ``block.cache`` while ``lists`` stays the same object."""
+    key = "rows" if lists is None else "lists"
+    cached = block.cache.get(key)
+    if cached is None or cached[0] is not lists:
+        cached = block.cache[key] = (lists, _fastscan.rows(block.packed, block.scale, block.bias, table.native_plan(), lists))
+    return cached[1]
+
+
+def search_queries(queries: np.ndarray, block: CodeBlock, table: CodeTable, prep: object, k: int,
+                   lists: _fastscan.Lists | None = None, nprobe: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """The native index search: raw validated CPU ``queries`` ``(nq, dim)`` float32, prepared in the kernel as
+    ``prep`` says (:func:`tqvec._fastscan.query_prep`: normalize, rotate, probe ``nprobe`` of ``lists``), then
+    scanned. Returns numpy ``(values (nq, k), rows (nq, k))`` as :func:`search`. Callers check that the native
+    kernel serves the block (:func:`native_serves`)."""
+    return _fastscan.search_queries(queries, native_rows(block, table, lists), table.native_plan(), prep, k, nprobe)
 
 
 def _search_torch(queries: torch.Tensor, block: CodeBlock, table: CodeTable, k: int,

@@ -41,9 +41,10 @@ def as_float_matrix(x: Any, dim: int, name: str = "x", device: torch.device | st
     if isinstance(x, np.ndarray):
         if x.dtype.kind != "f":
             raise ValueError(f"{name} must hold floats (float16/32/64), got dtype {x.dtype}")
-        if x.dtype.itemsize > 8:  # longdouble: torch has no such dtype; float64 keeps every float32 value
-            x = x.astype(np.float64)
-        x = torch.from_numpy(np.ascontiguousarray(x))
+        # converted by numpy, not torch: torch's intra-op threads spin on after a parallel op and slow the native
+        # search that follows; values beyond float32's range become inf, rejected below
+        with np.errstate(over="ignore"):
+            x = torch.from_numpy(np.asarray(x, dtype=np.float32, order="C"))
     elif not isinstance(x, torch.Tensor):
         raise ValueError(f"{name} must be a numpy array or torch tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT_DTYPES:
@@ -68,8 +69,12 @@ def check_row_norms(x: torch.Tensor, name: str = "x") -> None:
     One pass (``aminmax``, which propagates NaN) decides almost every input: if ``d · max|x|²`` is within the
     limit, so is every row. Only otherwise are the exact per-row norms computed (in float64).
     """
-    low, high = torch.aminmax(x)
-    largest = max(-float(low), float(high))
+    if x.device.type == "cpu" and x.dtype != torch.bfloat16:  # numpy: no intra-op threads left spinning
+        array = x.numpy()
+        largest = max(-float(array.min()), float(array.max()))
+    else:
+        low, high = torch.aminmax(x)
+        largest = max(-float(low), float(high))
     if not math.isfinite(largest):
         raise ValueError(f"{name} contains NaN or Inf")
     if largest * largest * x.shape[1] <= MAX_SQUARED_NORM:
