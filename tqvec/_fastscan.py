@@ -215,7 +215,7 @@ def search(queries: np.ndarray, source: _native.Rows, steps: Plan, k: int,
 
 def query_prep(rotation: Rotation, normalize: bool, center: torch.Tensor | None = None,
                centroids: torch.Tensor | None = None, by_ip: bool = True, residual: bool = False,
-               base: torch.Tensor | None = None) -> "_native.Queries":
+               base: torch.Tensor | None = None) -> _native.Queries:
     """What an index does to a query before the scan, for :func:`search_queries`: ``normalize`` it (cosine),
     rotate it with ``rotation``; a flat index subtracts its ``center`` first (adding ``⟨q, c⟩ − ‖c‖²`` to the
     scores); an inverted-file index probes the lists of ``centroids`` ``(nlist, dim)`` (largest ``⟨q, c_l⟩`` when
@@ -229,7 +229,7 @@ def query_prep(rotation: Rotation, normalize: bool, center: torch.Tensor | None 
                            _array(base, np.float32))
 
 
-def search_queries(queries: np.ndarray, source: "_native.Rows", steps: Plan, prep: "_native.Queries", k: int,
+def search_queries(queries: np.ndarray, source: _native.Rows, steps: Plan, prep: _native.Queries, k: int,
                    nprobe: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """:func:`search` of raw ``queries`` ``(nq, dim)`` float32 (validated) prepared natively as ``prep`` says
     (:func:`query_prep`), probing ``nprobe`` lists when it has centroids: one call, on the search's threads."""
