@@ -161,7 +161,7 @@ def lineup(n: int, dim: int, metric: str, threads: int, only: str | None = None)
     from .annb.module import TqvecIVF  # noqa: PLC0415
 
     nlist = default_nlist(n)
-    nprobes = [p for p in (1, 2, 4, 8, 16, 32, 64, 128) if p <= nlist // 2]
+    nprobes = [p for p in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128) if p <= nlist // 2]
     ip = metric == "angular"
     half = dim // 2 if dim % 2 == 0 else dim + 1  # fast-scan PQ wants an even M
     full = dim if dim % 2 == 0 else dim + 1

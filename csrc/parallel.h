@@ -1,33 +1,27 @@
-// A minimal fork-join helper shared by the native kernels.
+// Fork-join over chunks of work, on a pool of threads started once per process (see parallel.cpp).
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <cstddef>
-#include <thread>
-#include <vector>
+#include <functional>
 
 namespace tqvec {
 
-// Runs f(begin, end) over consecutive chunks of [0, n) of at most `grain` indices on up to `threads` threads
-// (inline for one): each thread takes the next chunk when it is done with one, so uneven items balance.
+// Runs body(c) for every chunk c in [0, chunks) on the calling thread and up to `threads` - 1 pool threads; each
+// thread takes the next chunk when it is done with one, so uneven chunks balance. Returns when all are done.
+// Several callers may run at once (they share the pool); body must not throw.
+void run_chunks(size_t chunks, int threads, const std::function<void(size_t)>& body);
+
+// Runs f(begin, end) over consecutive ranges of [0, n) of at most `grain` indices (see run_chunks).
 template <class F>
 void parallel_for(size_t n, int threads, F&& f, size_t grain = 1) {
   grain = std::max<size_t>(1, grain);
   const size_t chunks = (n + grain - 1) / grain;
-  const size_t workers = std::min<size_t>(static_cast<size_t>(std::max(1, threads)), chunks);
-  if (workers <= 1) {
+  if (threads <= 1 || chunks <= 1) {
     if (n) f(size_t{0}, n);
     return;
   }
-  std::atomic<size_t> next{0};
-  auto run = [&]() {
-    for (size_t c; (c = next.fetch_add(1)) < chunks;) f(c * grain, std::min(n, (c + 1) * grain));
-  };
-  std::vector<std::thread> pool;
-  for (size_t t = 1; t < workers; ++t) pool.emplace_back(run);
-  run();  // the calling thread works too
-  for (auto& th : pool) th.join();
+  run_chunks(chunks, threads, [&](size_t c) { f(c * grain, std::min(n, (c + 1) * grain)); });
 }
 
 }  // namespace tqvec

@@ -7,6 +7,9 @@ tolerance of each other (ties may swap).
 """
 from __future__ import annotations
 
+import multiprocessing
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
@@ -136,6 +139,56 @@ def test_threads_do_not_change_results(kernel) -> None:
     finally:
         torch.set_num_threads(before)
     assert np.array_equal(one[1], many[1]) and np.array_equal(one[0], many[0])
+
+
+def test_concurrent_searches_share_the_thread_pool(kernel) -> None:
+    """Searches from several Python threads at once, each on several native threads (one shared pool), return what
+    one thread returns alone."""
+    x, q = _data(6000, 48, seed=30), _data(40, 48, seed=31)
+    flat, ivf = Index(48, 4, "l2"), IVFIndex(48, 16, 4, "cosine")
+    flat.add(x)
+    ivf.add(x)
+    kernel("native")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [flat.search(q, 10), ivf.search(q, 10, nprobe=4)]
+        torch.set_num_threads(4)
+        with ThreadPoolExecutor(4) as pool:
+            runs = [pool.submit(lambda i=i: (flat.search(q, 10), ivf.search(q, 10, nprobe=4))) for i in range(16)]
+            results = [run.result() for run in runs]
+    finally:
+        torch.set_num_threads(before)
+    for got in results:
+        for (d_ref, i_ref), (d_got, i_got) in zip(alone, got):
+            assert np.array_equal(i_ref, i_got) and np.array_equal(d_ref, d_got)
+
+
+def _search_in_child(index: Index, q: np.ndarray, out) -> None:
+    torch.set_num_threads(4)
+    out.put(index.search(q, 10)[1])
+
+
+def test_forked_child_starts_its_own_thread_pool(kernel) -> None:
+    """After fork() the parent's pool threads do not exist in the child: a multi-threaded search there must start
+    its own instead of waiting for them forever."""
+    x, q = _data(3000, 32, seed=32), _data(8, 32, seed=33)
+    index = Index(32, 4, "ip")
+    index.add(x)
+    kernel("native")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        expected = index.search(q, 10)[1]  # the parent's pool is running now
+        context = multiprocessing.get_context("fork")
+        out = context.Queue()
+        child = context.Process(target=_search_in_child, args=(index, q, out))
+        child.start()
+        got = out.get(timeout=60)
+        child.join(timeout=60)
+    finally:
+        torch.set_num_threads(before)
+    assert child.exitcode == 0 and np.array_equal(got, expected)
 
 
 def test_plan_reads_every_code_bit_and_no_padding() -> None:
