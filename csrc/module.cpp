@@ -8,6 +8,7 @@
 #include <nanobind/stl/string.h>
 
 #include <algorithm>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -150,46 +151,66 @@ class QueryHandle {
   tqvec::Coarse coarse_{};
 };
 
-nb::tuple search(const PlanHandle& plan, const RowsHandle& source, Array<float, nb::ndim<2>> queries, Array<int64_t> probe,
-                 Array<float> probe_constant, int64_t k, int64_t rescore, int threads, int max_isa) {
-  const int64_t nq = static_cast<int64_t>(queries.shape(0)), dim = static_cast<int64_t>(queries.shape(1));
+// Searches `source` for queries (nq, dim) (rotated) with optional probes (nq, n_probe) and their constants; fills
+// values / rows (nq, k). Returns the kernel's name.
+const char* run_search(const PlanHandle& plan, const RowsHandle& source, const float* queries, int64_t nq, int64_t dim,
+                       const int64_t* probe, const float* probe_constant, int64_t n_probe, int64_t k, int64_t rescore,
+                       int threads, int max_isa, float* values, int64_t* rows) {
   require(plan.last_byte() < source.rows().row_bytes, "the plan reads past the end of a row");
   require(plan.last_channel() < dim, "the plan reads a channel the queries do not have");
+  require(k >= 1 && rescore >= 0, "k must be positive and rescore non-negative");
   tqvec::Groups groups = source.groups();
-  if (probe.size()) {
-    require(probe.ndim() == 2 && probe.shape(0) == static_cast<size_t>(nq), "probe must be (nq, nprobe)");
-    require(probe_constant.size() == 0 || probe_constant.size() == probe.size(), "probe_constant must match probe");
-    groups.probe = probe.data();
-    groups.probe_constant = optional_data(probe_constant);
-    groups.n_probe = static_cast<int64_t>(probe.shape(1));
+  if (probe) {
+    groups.probe = probe;
+    groups.probe_constant = probe_constant;
+    groups.n_probe = n_probe;
   } else {
     require(groups.n_groups == 1, "several groups need probe");
   }
-  require(k >= 1 && rescore >= 0, "k must be positive and rescore non-negative");
-
-  auto* values = new float[static_cast<size_t>(nq * k)];
-  auto* rows = new int64_t[static_cast<size_t>(nq * k)];
-  nb::capsule own_values(values, [](void* p) noexcept { delete[] static_cast<float*>(p); });
-  nb::capsule own_rows(rows, [](void* p) noexcept { delete[] static_cast<int64_t*>(p); });
-  const tqvec::SearchArgs args{plan.view(), source.rows(), groups, queries.data(), nq, dim, k, rescore,
-                               source.layout(), threads, values, rows};
-  const char* kernel;
-  {
-    nb::gil_scoped_release release;
-    kernel = tqvec::search(args, static_cast<tqvec::Isa>(std::clamp(max_isa, 0, 2)));
-  }
-  const size_t shape[2] = {static_cast<size_t>(nq), static_cast<size_t>(k)};
-  return nb::make_tuple(nb::ndarray<nb::numpy, float, nb::ndim<2>>(values, 2, shape, own_values),
-                        nb::ndarray<nb::numpy, int64_t, nb::ndim<2>>(rows, 2, shape, own_rows), kernel);
+  const tqvec::SearchArgs args{plan.view(), source.rows(), groups, queries, nq, dim, k, rescore, source.layout(), threads,
+                               values, rows};
+  nb::gil_scoped_release release;
+  return tqvec::search(args, static_cast<tqvec::Isa>(std::clamp(max_isa, 0, 2)));
 }
 
-// Prepares raw queries (nq, dim) as `prep` says (rotation, probed lists and their constants) and searches `source`
-// with them, all on the search's threads: (values (nq, k), rows (nq, k), kernel name).
-nb::tuple search_queries(const PlanHandle& plan, const RowsHandle& source, const QueryHandle& prep,
-                         Array<float, nb::ndim<2>> queries, int64_t n_probe, int64_t k, int64_t rescore, int threads,
-                         int max_isa) {
+// A (nq, k) numpy array owning `data`.
+template <class T>
+nb::ndarray<nb::numpy, T, nb::ndim<2>> owned(T* data, int64_t nq, int64_t k) {
+  nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<T*>(p); });
+  const size_t shape[2] = {static_cast<size_t>(nq), static_cast<size_t>(k)};
+  return nb::ndarray<nb::numpy, T, nb::ndim<2>>(data, 2, shape, owner);
+}
+
+nb::tuple search(const PlanHandle& plan, const RowsHandle& source, Array<float, nb::ndim<2>> queries, Array<int64_t> probe,
+                 Array<float> probe_constant, int64_t k, int64_t rescore, int threads, int max_isa) {
   const int64_t nq = static_cast<int64_t>(queries.shape(0));
-  require(static_cast<int64_t>(queries.shape(1)) == prep.transform().dim, "queries have the wrong dimension");
+  int64_t n_probe = 1;
+  if (probe.size()) {
+    require(probe.ndim() == 2 && probe.shape(0) == static_cast<size_t>(nq), "probe must be (nq, nprobe)");
+    require(probe_constant.size() == 0 || probe_constant.size() == probe.size(), "probe_constant must match probe");
+    n_probe = static_cast<int64_t>(probe.shape(1));
+  }
+  require(k >= 1, "k must be positive");
+  auto* values = new float[static_cast<size_t>(nq * k)];
+  auto* rows = new int64_t[static_cast<size_t>(nq * k)];
+  auto out_values = owned(values, nq, k);
+  auto out_rows = owned(rows, nq, k);
+  const char* kernel = run_search(plan, source, queries.data(), nq, static_cast<int64_t>(queries.shape(1)), optional_data(probe),
+                                  optional_data(probe_constant), n_probe, k, rescore, threads, max_isa, values, rows);
+  return nb::make_tuple(out_values, out_rows, kernel);
+}
+
+// Prepares raw queries (nq, dim) as `prep` says (rotation, probed lists and their constants), searches `source` with
+// them, all on the search's threads, and answers as the index does: (D (nq, k) float32, I (nq, k) int64 ids from
+// `ids` (one per row), kernel name); D holds the scores, or for `l2` the distances |q|^2 - 2 score; no result:
+// I -1, D -inf (+inf for l2).
+nb::tuple search_queries(const PlanHandle& plan, const RowsHandle& source, const QueryHandle& prep,
+                         Array<float, nb::ndim<2>> queries, Array<int64_t, nb::ndim<1>> ids, bool l2, int64_t n_probe,
+                         int64_t k, int64_t rescore, int threads, int max_isa) {
+  const int64_t nq = static_cast<int64_t>(queries.shape(0)), dim = prep.transform().dim;
+  require(static_cast<int64_t>(queries.shape(1)) == dim, "queries have the wrong dimension");
+  require(static_cast<int64_t>(ids.shape(0)) == source.rows().n, "ids must name every row");
+  require(k >= 1, "k must be positive");
   tqvec::Coarse coarse = prep.coarse();
   if (coarse.n_lists) {
     require(coarse.n_lists == source.groups().n_groups, "the rows are grouped in other lists than the centroids");
@@ -205,11 +226,27 @@ nb::tuple search_queries(const PlanHandle& plan, const RowsHandle& source, const
     nb::gil_scoped_release release;
     tqvec::prepare_queries(prep.transform(), coarse, queries.data(), nq, threads, rotated.data(), probe.data(), constant.data());
   }
-  const size_t rotated_shape[2] = {static_cast<size_t>(nq), static_cast<size_t>(prep.transform().out_dim)};
-  const size_t probe_shape[2] = {static_cast<size_t>(nq), static_cast<size_t>(n_probe)};
-  return search(plan, source, Array<float, nb::ndim<2>>(rotated.data(), 2, rotated_shape, nb::handle()),
-                Array<int64_t>(probe.data(), 2, probe_shape, nb::handle()),
-                Array<float>(constant.data(), 2, probe_shape, nb::handle()), k, rescore, threads, max_isa);
+  auto* distances = new float[static_cast<size_t>(nq * k)];
+  auto* labels = new int64_t[static_cast<size_t>(nq * k)];
+  auto out_distances = owned(distances, nq, k);
+  auto out_labels = owned(labels, nq, k);
+  const char* kernel = run_search(plan, source, rotated.data(), nq, prep.transform().out_dim, probe.data(), constant.data(),
+                                  n_probe, k, rescore, threads, max_isa, distances, labels);
+  const float none = l2 ? std::numeric_limits<float>::infinity() : -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < nq; ++i) {
+    float squared = 0.0f;
+    if (l2) {
+      double sum = 0.0;
+      for (int64_t d = 0; d < dim; ++d) sum += static_cast<double>(queries.data()[i * dim + d]) * queries.data()[i * dim + d];
+      squared = static_cast<float>(sum);
+    }
+    for (int64_t j = i * k; j < (i + 1) * k; ++j) {
+      const int64_t row = labels[j];
+      labels[j] = row >= 0 ? ids.data()[row] : -1;
+      distances[j] = row < 0 ? none : l2 ? squared - 2.0f * distances[j] : distances[j];
+    }
+  }
+  return nb::make_tuple(out_distances, out_labels, kernel);
 }
 
 }  // namespace
@@ -231,7 +268,7 @@ NB_MODULE(_native, m) {
            nb::arg("dim"), nb::arg("rotation"), nb::arg("signs"), nb::arg("normalize"), nb::arg("center"), nb::arg("centroids"),
            nb::arg("half_squared"), nb::arg("residual"), nb::arg("base"));
   m.def("search_queries", &search_queries, nb::arg("plan"), nb::arg("rows"), nb::arg("prep"), nb::arg("queries"),
-        nb::arg("n_probe"), nb::arg("k"), nb::arg("rescore"), nb::arg("threads"), nb::arg("max_isa"));
+        nb::arg("ids"), nb::arg("l2"), nb::arg("n_probe"), nb::arg("k"), nb::arg("rescore"), nb::arg("threads"), nb::arg("max_isa"));
   m.def("has_avx2", &tqvec::has_avx2, "True when this CPU runs the AVX2 kernel.");
   m.def("has_avx512", &tqvec::has_avx512, "True when this CPU runs the AVX-512 kernel.");
 }

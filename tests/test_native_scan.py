@@ -7,7 +7,9 @@ tolerance of each other (ties may swap).
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -125,20 +127,30 @@ def test_every_kernel_returns_the_same_rows(dim: int, bits: float) -> None:
         _assert_same_results(out["scalar"], out[name])
 
 
-def test_threads_do_not_change_results(kernel) -> None:
-    x, q = _data(5000, 32, seed=10), _data(3, 32, seed=11)
-    index = Index(32, 4, "l2")
-    index.add(x)
-    kernel("native")
+@contextlib.contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
     before = torch.get_num_threads()
+    torch.set_num_threads(n)
     try:
-        torch.set_num_threads(1)
-        one = index.search(q, 10)
-        torch.set_num_threads(4)  # three queries, four threads: rows are split across threads too
-        many = index.search(q, 10)
+        yield
     finally:
         torch.set_num_threads(before)
-    assert np.array_equal(one[1], many[1]) and np.array_equal(one[0], many[0])
+
+
+def test_threads_do_not_change_results(kernel) -> None:
+    """One query on four threads splits its rows (flat) or its lists (IVF) across them; three queries batch."""
+    x, q = _data(20000, 32, seed=10), _data(3, 32, seed=11)
+    flat, ivf = Index(32, 4, "l2"), IVFIndex(32, 8, 4, "ip")
+    flat.add(x)
+    ivf.add(x)
+    kernel("native")
+    for search in (lambda v: flat.search(v, 10), lambda v: ivf.search(v, 10, nprobe=8)):
+        for queries in (q[:1], q):
+            with _torch_threads(1):
+                one = search(queries)
+            with _torch_threads(4):
+                many = search(queries)
+            assert np.array_equal(one[1], many[1]) and np.array_equal(one[0], many[0])
 
 
 def test_concurrent_searches_share_the_thread_pool(kernel) -> None:
@@ -149,16 +161,11 @@ def test_concurrent_searches_share_the_thread_pool(kernel) -> None:
     flat.add(x)
     ivf.add(x)
     kernel("native")
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with _torch_threads(1):
         alone = [flat.search(q, 10), ivf.search(q, 10, nprobe=4)]
-        torch.set_num_threads(4)
-        with ThreadPoolExecutor(4) as pool:
-            runs = [pool.submit(lambda i=i: (flat.search(q, 10), ivf.search(q, 10, nprobe=4))) for i in range(16)]
-            results = [run.result() for run in runs]
-    finally:
-        torch.set_num_threads(before)
+    with _torch_threads(4), ThreadPoolExecutor(4) as pool:
+        runs = [pool.submit(lambda: (flat.search(q, 10), ivf.search(q, 10, nprobe=4))) for _ in range(16)]
+        results = [run.result() for run in runs]
     for got in results:
         for (d_ref, i_ref), (d_got, i_got) in zip(alone, got):
             assert np.array_equal(i_ref, i_got) and np.array_equal(d_ref, d_got)
@@ -176,9 +183,7 @@ def test_forked_child_starts_its_own_thread_pool(kernel) -> None:
     index = Index(32, 4, "ip")
     index.add(x)
     kernel("native")
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(4)
+    with _torch_threads(4):
         expected = index.search(q, 10)[1]  # the parent's pool is running now
         context = multiprocessing.get_context("fork")
         out = context.Queue()
@@ -186,8 +191,6 @@ def test_forked_child_starts_its_own_thread_pool(kernel) -> None:
         child.start()
         got = out.get(timeout=60)
         child.join(timeout=60)
-    finally:
-        torch.set_num_threads(before)
     assert child.exitcode == 0 and np.array_equal(got, expected)
 
 

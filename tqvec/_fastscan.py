@@ -229,11 +229,21 @@ def query_prep(rotation: Rotation, normalize: bool, center: torch.Tensor | None 
                            _array(base, np.float32))
 
 
-def search_queries(queries: np.ndarray, source: _native.Rows, steps: Plan, prep: _native.Queries, k: int,
-                   nprobe: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`search` of raw ``queries`` ``(nq, dim)`` float32 (validated) prepared natively as ``prep`` says
-    (:func:`query_prep`), probing ``nprobe`` lists when it has centroids: one call, on the search's threads."""
-    values, found, _ = _native.search_queries(steps.handle, source, prep, np.ascontiguousarray(queries, np.float32),
-                                              int(nprobe), int(k), rescore_count(k), max(1, torch.get_num_threads()),
-                                              MAX_ISA)
-    return values, found
+def search_queries(queries: np.ndarray, source: _native.Rows, steps: Plan, prep: _native.Queries, k: int, ids: np.ndarray,
+                   l2: bool, nprobe: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """An index search of raw ``queries`` ``(nq, dim)`` float32 (validated), prepared natively as ``prep`` says
+    (:func:`query_prep`), probing ``nprobe`` lists when it has centroids, in one call on the search's threads.
+
+    Returns FAISS-style ``(D, I)`` ``(nq, k)``: ``I`` the ``ids`` (one per row) of the best rows, ``D`` their scores,
+    or with ``l2`` the distances ``‖q‖² − 2·score``; −1 and −inf (+inf for ``l2``) where fewer than ``k`` rows exist.
+    """
+    n = len(ids)
+    depth = min(k, max(1, n))  # never more work than the rows; the rest is padding
+    distances, labels, _ = _native.search_queries(steps.handle, source, prep, np.ascontiguousarray(queries, np.float32),
+                                                  ids, l2, int(nprobe), depth, rescore_count(depth),
+                                                  max(1, torch.get_num_threads()), MAX_ISA)
+    if k > depth:
+        fill = np.float32(np.inf if l2 else -np.inf)
+        distances = np.concatenate([distances, np.full((len(distances), k - depth), fill, np.float32)], 1)
+        labels = np.concatenate([labels, np.full((len(labels), k - depth), -1, np.int64)], 1)
+    return distances, labels

@@ -554,9 +554,8 @@ class Index(CodedRows):
         if self._query_prep is None or self._query_prep[0] is not center:
             prep = _fastscan.query_prep(self.quantizer.rotation, self.metric == "cosine", center)
             self._query_prep = (center, prep)
-        values, rows = scan.search_queries(x, published.scoring[0], self.quantizer.table(self.device), self._query_prep[1],
-                                           min(k, max(1, n)))
-        return search_results(self.metric, x, values, rows, published.ids[:n], k=k)
+        return scan.search_queries(x, published.scoring[0], self.quantizer.table(self.device), self._query_prep[1], k,
+                                   published.ids[:n], self.metric == "l2")
 
     def score(self, queries: Any, ids: Any) -> np.ndarray:
         """The estimates ``search`` ranks by, for given ``ids``: ``(nq, len(ids))`` float32 scores

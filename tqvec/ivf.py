@@ -499,9 +499,8 @@ class IVFIndex(CodedRows):
             prep = _fastscan.query_prep(self.quantizer.rotation, self.metric == "cosine", None, centroids,
                                         by_ip=self.metric == "ip", residual=self.encoding == "residual", base=base)
             self._query_prep = (key, prep)
-        values, rows = scan.search_queries(x, self._scan_block(snap), self.quantizer.table(self.device), self._query_prep[1],
-                                           min(k, snap.size), snap.list_table, nprobe)
-        return search_results(self.metric, x, values, rows, snap.ids, k=k)
+        return scan.search_queries(x, self._scan_block(snap), self.quantizer.table(self.device), self._query_prep[1], k,
+                                   snap.ids, self.metric == "l2", snap.list_table, nprobe)
 
     def _block(self, t: dict[str, torch.Tensor], extra_bias: torch.Tensor) -> scan.CodeBlock:
         """The scan's view of gathered rows ``t``, with ``extra_bias`` ``(n,)`` added to the stored bias."""

@@ -226,13 +226,13 @@ def native_rows(block: CodeBlock, table: CodeTable, lists: _fastscan.Lists | Non
     return cached[1]
 
 
-def search_queries(queries: np.ndarray, block: CodeBlock, table: CodeTable, prep: object, k: int,
-                   lists: _fastscan.Lists | None = None, nprobe: int = 1) -> tuple[np.ndarray, np.ndarray]:
+def search_queries(queries: np.ndarray, block: CodeBlock, table: CodeTable, prep: object, k: int, ids: np.ndarray,
+                   l2: bool, lists: _fastscan.Lists | None = None, nprobe: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """The native index search: raw validated CPU ``queries`` ``(nq, dim)`` float32, prepared in the kernel as
-    ``prep`` says (:func:`tqvec._fastscan.query_prep`: normalize, rotate, probe ``nprobe`` of ``lists``), then
-    scanned. Returns numpy ``(values (nq, k), rows (nq, k))`` as :func:`search`. Callers check that the native
-    kernel serves the block (:func:`native_serves`)."""
-    return _fastscan.search_queries(queries, native_rows(block, table, lists), table.native_plan(), prep, k, nprobe)
+    ``prep`` says (:func:`tqvec._fastscan.query_prep`: normalize, rotate, probe ``nprobe`` of ``lists``), scanned,
+    answered as ``(D, I)`` (:func:`tqvec._fastscan.search_queries`: ``ids`` per row of ``block``, ``l2`` distances).
+    Callers check :func:`native_queries` first."""
+    return _fastscan.search_queries(queries, native_rows(block, table, lists), table.native_plan(), prep, k, ids, l2, nprobe)
 
 
 def _search_torch(queries: torch.Tensor, block: CodeBlock, table: CodeTable, k: int,
