@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -461,13 +462,19 @@ __attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Wo
       std::memcpy(lut.bytes + kLut, q[j].lut.data() + t * kLut, kLut);
     }
   }
-  std::vector<Lut64> wide_tables(avx512 ? static_cast<size_t>(group * a.plan.n_steps) : 0);
+  // the 512-bit tables of the byte pairs the pair runs read (block_sums_avx512): steps t and t + 2 side by side
+  const size_t wide_count = avx512 ? static_cast<size_t>(group * a.plan.n_steps) : 0;
+  std::unique_ptr<Lut64[]> wide_tables(wide_count ? new Lut64[wide_count] : nullptr);
   for (int64_t j = 0; avx512 && j < group; ++j) {
-    for (int t = 0; t < a.plan.n_steps; ++t) {
-      Lut64& lut = wide_tables[j * a.plan.n_steps + t];
-      std::memcpy(lut.bytes, tables[j * a.plan.n_steps + t].bytes, sizeof(Lut32));
-      if (t + 2 < a.plan.n_steps) std::memcpy(lut.bytes + sizeof(Lut32), tables[j * a.plan.n_steps + t + 2].bytes, sizeof(Lut32));
-    }
+    const Lut32* narrow = tables.data() + j * a.plan.n_steps;
+    for (const PairRun& run : ops.pairs)
+      for (int m = 0; 2 * m + 1 < run.count; ++m)
+        for (int h = 0; h < 2; ++h) {
+          const int t = run.lut + 4 * m + h;
+          Lut64& lut = wide_tables[j * a.plan.n_steps + t];
+          std::memcpy(lut.bytes, narrow[t].bytes, sizeof(Lut32));
+          std::memcpy(lut.bytes + sizeof(Lut32), narrow[t + 2].bytes, sizeof(Lut32));
+        }
   }
   alignas(32) float score[8];
   __m256i sums[4];
@@ -480,7 +487,7 @@ __attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Wo
       const int64_t* ids = blocks.rows + b * kRowsPerBlock;
       for (int64_t j = 0; j < group; ++j) {
         if (avx512) {
-          block_sums_avx512(codes, ops, tables.data() + j * a.plan.n_steps, wide_tables.data() + j * a.plan.n_steps, sums);
+          block_sums_avx512(codes, ops, tables.data() + j * a.plan.n_steps, wide_tables.get() + j * a.plan.n_steps, sums);
         } else {
           block_sums(codes, ops, tables.data() + j * a.plan.n_steps, sums);
         }

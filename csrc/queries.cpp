@@ -40,13 +40,60 @@ __attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* 
 }
 #endif
 
+// y[r] = <m[r], x> for the rows r of the row-major (rows, n) matrix m.
+void matvec_scalar(const float* m, int64_t rows, int64_t n, const float* x, float* y) {
+  for (int64_t r = 0; r < rows; ++r) y[r] = dot_scalar(m + r * n, x, n);
+}
+
+#ifdef TQVEC_X86
+// Four rows at a time, two 8-wide chunks each: eight independent sums keep the FMA units busy.
+__attribute__((target("avx2,fma"))) void matvec_avx2(const float* m, int64_t rows, int64_t n, const float* x, float* y) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    __m256 acc[8];
+    for (__m256& a : acc) a = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 16 <= n; c += 16) {
+      const __m256 x0 = _mm256_loadu_ps(x + c), x1 = _mm256_loadu_ps(x + c + 8);
+      for (int i = 0; i < 4; ++i) {
+        acc[2 * i] = _mm256_fmadd_ps(_mm256_loadu_ps(m + (r + i) * n + c), x0, acc[2 * i]);
+        acc[2 * i + 1] = _mm256_fmadd_ps(_mm256_loadu_ps(m + (r + i) * n + c + 8), x1, acc[2 * i + 1]);
+      }
+    }
+    for (int i = 0; i < 4; ++i) {
+      alignas(32) float part[8];
+      _mm256_store_ps(part, _mm256_add_ps(acc[2 * i], acc[2 * i + 1]));
+      const float head = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+      y[r + i] = head + dot_scalar(m + (r + i) * n + c, x + c, n - c);
+    }
+  }
+  for (; r < rows; ++r) y[r] = dot_avx2(m + r * n, x, n);
+}
+#endif
+
 using Dot = float (*)(const float*, const float*, int64_t);
+using Matvec = void (*)(const float*, int64_t, int64_t, const float*, float*);
+
+bool avx2() {
+#ifdef TQVEC_X86
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
 
 Dot pick_dot() {
 #ifdef TQVEC_X86
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return dot_avx2;
+  if (avx2()) return dot_avx2;
 #endif
   return dot_scalar;
+}
+
+Matvec pick_matvec() {
+#ifdef TQVEC_X86
+  if (avx2()) return matvec_avx2;
+#endif
+  return matvec_scalar;
 }
 
 // In-place unnormalized Walsh-Hadamard transform of x (n a power of two).
@@ -65,6 +112,7 @@ void walsh_hadamard(float* x, int64_t n) {
 void prepare_queries(const QueryTransform& t, const Coarse& c, const float* queries, int64_t nq, int threads,
                      float* rotated, int64_t* probe, float* probe_constant) {
   const Dot dot = pick_dot();
+  const Matvec matvec = pick_matvec();
   const int64_t n_probe = c.n_lists ? c.n_probe : 1;
   const float center_squared = t.center ? dot(t.center, t.center, t.dim) : 0.0f;
   parallel_for(static_cast<size_t>(nq), threads, [&](size_t begin, size_t end) {
@@ -81,10 +129,8 @@ void prepare_queries(const QueryTransform& t, const Coarse& c, const float* quer
       float* out_probe_constant = probe_constant + i * n_probe;
       int64_t* out_probe = probe + i * n_probe;
       if (c.n_lists) {
-        for (int64_t l = 0; l < c.n_lists; ++l) {
-          product[l] = dot(q.data(), c.centroids + l * t.dim, t.dim);
-          closeness[l] = c.half_squared ? product[l] - c.half_squared[l] : product[l];
-        }
+        matvec(c.centroids, c.n_lists, t.dim, q.data(), product.data());
+        for (int64_t l = 0; l < c.n_lists; ++l) closeness[l] = c.half_squared ? product[l] - c.half_squared[l] : product[l];
         std::iota(order.begin(), order.end(), int64_t{0});
         std::partial_sort(order.begin(), order.begin() + n_probe, order.end(), [&](int64_t x, int64_t y) {
           return closeness[x] > closeness[y] || (closeness[x] == closeness[y] && x < y);
@@ -102,7 +148,7 @@ void prepare_queries(const QueryTransform& t, const Coarse& c, const float* quer
       }
       float* out = rotated + i * t.out_dim;
       if (t.rotation) {
-        for (int64_t r = 0; r < t.out_dim; ++r) out[r] = dot(t.rotation + r * t.dim, q.data(), t.dim);
+        matvec(t.rotation, t.out_dim, t.dim, q.data(), out);
       } else {
         std::fill(padded.begin(), padded.end(), 0.0f);
         for (int64_t d = 0; d < t.dim; ++d) padded[d] = q[d] * t.signs[d];
