@@ -203,7 +203,7 @@ nb::tuple search(const PlanHandle& plan, const RowsHandle& source, Array<float, 
 // Prepares raw queries (nq, dim) as `prep` says (rotation, probed lists and their constants), searches `source` with
 // them, all on the search's threads, and answers as the index does: (D (nq, k) float32, I (nq, k) int64 ids from
 // `ids` (one per row), kernel name); D holds the scores, or for `l2` the distances |q|^2 - 2 score; no result:
-// I -1, D -inf (+inf for l2).
+// I -1, D -inf (+inf for l2). Equal distances come in id order.
 nb::tuple search_queries(const PlanHandle& plan, const RowsHandle& source, const QueryHandle& prep,
                          Array<float, nb::ndim<2>> queries, Array<int64_t, nb::ndim<1>> ids, bool l2, int64_t n_probe,
                          int64_t k, int64_t rescore, int threads, int max_isa) {
@@ -244,6 +244,12 @@ nb::tuple search_queries(const PlanHandle& plan, const RowsHandle& source, const
       const int64_t row = labels[j];
       labels[j] = row >= 0 ? ids.data()[row] : -1;
       distances[j] = row < 0 ? none : l2 ? squared - 2.0f * distances[j] : distances[j];
+    }
+    for (int64_t j = i * k; j < (i + 1) * k;) {  // equal distances in id order, as every tqvec search answers
+      int64_t end = j + 1;
+      while (end < (i + 1) * k && distances[end] == distances[j]) ++end;
+      std::sort(labels + j, labels + end);
+      j = end;
     }
   }
   return nb::make_tuple(out_distances, out_labels, kernel);

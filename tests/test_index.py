@@ -298,10 +298,10 @@ def test_auto_correction_choice_follows_budget() -> None:
 
 def test_uint8_log_scale_code_is_accurate() -> None:
     """The cosine "rescale" scale is stored as a uint8 log code: relative error ≤ half a step, 2^(1/510) − 1."""
-    from tqvec.index import _load_side, _store_side
+    from tqvec._rows import load_side, store_side
 
     s = torch.linspace(1.0, 2.0, 10_001)
-    back = _load_side(_store_side(s, torch.uint8))
+    back = load_side(store_side(s, torch.uint8))
     assert float((back / s - 1).abs().max()) <= 2 ** (1 / 510) - 1 + 1e-6
     index = Index(64, 2, metric="cosine")
     assert index.correction == "rescale" and index.side_fields == {"scale": torch.uint8}
@@ -429,7 +429,7 @@ def test_tail_code_bad_files_and_input(tmp_path) -> None:
 
 @pytest.mark.parametrize("make", [lambda: Index(64, 3, "l2"), lambda: IVFIndex(64, 8, 3, "l2")], ids=["flat", "ivf"])
 def test_l2_distances_are_unclamped_estimates(make) -> None:
-    """One rule for both indexes (tqvec.index.search_results): D = ‖q‖² − 2·estimated score, ascending, not clamped at
+    """One rule for both indexes (tqvec._rows.search_results): D = ‖q‖² − 2·estimated score, ascending, not clamped at
     0, so a self-query's distance is an estimate around 0 (the flat index's within 1e-3 here; the IVF index's residual
     codes err by up to a few units, and it used to clamp them to 0)."""
     x = np.random.default_rng(0).standard_normal((2000, 64)).astype(np.float32)

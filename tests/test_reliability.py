@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import torch
 
-from tqvec import storage
-from tqvec.index import Index, search_results
+from tqvec import Index, storage
+from tqvec._rows import search_results
 from tqvec.ivf import IVFIndex
 from tqvec.storage import StorageError
 
@@ -373,9 +373,9 @@ def test_concurrent_saves_never_lose_their_temp_file(tmp_path: Path) -> None:
 def test_assignment_scores_are_blocked(monkeypatch: pytest.MonkeyPatch) -> None:
     """Assigning 4096 rows to 2048 lists never holds more than 2**22 scores (16 MiB) at once; the answer equals
     the unblocked one."""
-    import tqvec.ivf as ivf
+    import tqvec.kmeans as kmeans
 
-    real, seen = ivf.rowwise_matmul, []
+    real, seen = kmeans.rowwise_matmul, []
 
     def spy(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         assert x.shape[0] * m.shape[1] <= 1 << 22, f"{x.shape[0]} x {m.shape[1]} scores at once"
@@ -383,8 +383,8 @@ def test_assignment_scores_are_blocked(monkeypatch: pytest.MonkeyPatch) -> None:
         return real(x, m)
 
     x, centroids = torch.from_numpy(_gaussian(4096, dim=8)), torch.from_numpy(_gaussian(2048, seed=1, dim=8))
-    monkeypatch.setattr(ivf, "rowwise_matmul", spy)
-    lists = ivf._assign(x, centroids, by_ip=False)
+    monkeypatch.setattr(kmeans, "rowwise_matmul", spy)
+    lists = kmeans.assign_nearest(x, centroids, by_ip=False)
     assert len(seen) > 1
     expected = torch.cdist(x.double(), centroids.double()).argmin(1)
     assert (lists == expected).float().mean() > 0.999  # float32 ties aside

@@ -18,33 +18,22 @@ centering (``c = 0``, no bias); ``"none"`` stores the plain norm (plain TurboQua
 ``metric="cosine"`` nothing at all, the norm being 1). For ``metric="l2"``, ``bias_x`` also holds
 ``−‖x‖²/2`` and ``D = ‖q‖² − 2·score``. The per-query constant does not change the ranking.
 Side information is float16 for ``cosine`` (bounded values) and float32 otherwise, except the
-cosine ``"rescale"`` scale, a uint8 log code (see :func:`_side_fields`).
+cosine ``"rescale"`` scale, a uint8 log code (see :func:`side_fields_for`).
 
-Centering in the code padding (``tail_bits > 0``). For ``metric="cosine"``, ``mode="mse"`` below
-``AUTO_RESCALE_MIN_BITS`` bits, when the 4 side bytes of ``"center"`` would take more than
-``AUTO_SIDE_SHARE`` of the budget, ``"center"`` stores nothing beside the codes: the codes get the
-whole budget, every channel at least 1 bit, laid out so that the row's last byte keeps
-``tail_bits`` ≥ ``TAIL_MIN_BITS`` padding bits (:func:`tqvec.packing.layout_for_bytes`), and those bits
-hold ``bias_x = ⟨c, x⟩`` as a uniform code over ``[−‖c‖, ‖c‖]`` (its exact range for unit ``x``;
-:func:`tqvec.packing.write_tail`). The scale is derived, not stored: ``‖x − c‖ = √(1 − 2·bias_x + ‖c‖²)``
-for unit ``x``, divided by ``‖ŷ_x‖`` (computed from the codes), so
-
-    ⟨q, x⟩ ≈ ‖x − c‖ · ⟨Π(q − c), ŷ_x / ‖ŷ_x‖⟩ + bias_x + (⟨q, c⟩ − ‖c‖²).
-
-No ``1/⟨ŷ, u⟩`` rescale here: at 1 bit it ranked worse on GloVe. On GloVe-50 at 1 bit (7 bytes: 50
-one-bit codes and a 6-bit bias code in the 6 padding bits) this lifts recall@10 from about 0.21 to
-about 0.23 (README, Index section).
-
-``"auto"`` picks ``"center"`` when its side information takes at most ``AUTO_SIDE_SHARE`` of the
-budget; else ``"rescale"``, except for cosine below ``AUTO_RESCALE_MIN_BITS`` bits, where it picks
-``"center"`` in the code padding when that layout exists and ``"none"`` otherwise: rules measured on
-GloVe-50 and KJV-MiniLM (README, Index section).
+Centering in the code padding (``tail_bits > 0``): for cosine below ``AUTO_RESCALE_MIN_BITS`` bits, where the
+side bytes of ``"center"`` would take more than ``AUTO_SIDE_SHARE`` of the budget, the codes take the whole
+budget and ``bias_x`` becomes a uniform code over ``[−‖c‖, ‖c‖]`` in the last byte's ``tail_bits`` ≥
+``tqvec._tail.TAIL_MIN_BITS`` padding bits; the scale is derived from it (``‖x − c‖ = √(1 − 2·bias_x + ‖c‖²)`` for unit
+``x``, over ``‖ŷ_x‖``). ``"auto"`` picks ``"center"`` when its side information fits ``AUTO_SIDE_SHARE``, else
+``"rescale"``, and below ``AUTO_RESCALE_MIN_BITS`` cosine bits the padding code where the layout has one,
+``"none"`` otherwise. Rules, layouts and their measurements: ``docs/design.md``.
 
 Concurrency. ``search`` may run from many threads at once. ``add`` and ``remove`` take a lock and
 never modify rows that a running search reads (``add`` writes past the published size, growth
 copies, ``remove`` builds new arrays), so every search sees the index as it was when it started.
 
-Memory. The scan runs blockwise (see :mod:`tqvec.scan`): no ``nq × N`` score matrix is formed.
+Memory. The scan runs blockwise (:mod:`tqvec.scan`; natively on the CPU, ``docs/native.md``): no ``nq × N``
+score matrix is formed.
 """
 from __future__ import annotations
 
@@ -52,229 +41,49 @@ import math
 import os
 import threading
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from . import _fastscan, scan, storage
-from .packing import Layout, layout_for_bytes, read_tail, write_tail
+from ._file_checks import check_index_file
+from ._rows import (
+    CORRECTIONS,
+    METRICS,
+    CodedRows,
+    RowSnapshot,
+    check_rows,
+    load_side,
+    new_ids,
+    rows_of_ids,
+    search_results,
+    side_fields_for,
+    sort_ids,
+    store_side,
+)
+from ._tail import bias_code, tail_layout, tail_side
+from .packing import write_tail
 from .quantizer import Codes, TurboQuantizer
 from .rotation import rotated_dim, rowwise_matmul
 from .validation import (
-    MAX_ID,
-    MAX_SQUARED_NORM,
     as_device,
     as_float_matrix,
     as_ids,
-    check_array,
     check_bits,
     check_choice,
-    check_file_ids,
-    check_meta,
     check_positive_int,
-    check_row_budget,
-    check_row_norms,
     check_seed,
 )
 
-METRICS = ("ip", "l2", "cosine")
-CORRECTIONS = ("auto", "none", "rescale", "center")
 #: "auto" centers when scale + bias take at most this share of the per-vector budget
 AUTO_SIDE_SHARE = 0.10
 #: below this budget (bits per dimension) "auto" stores no per-vector scale for cosine: at 1 bit a
 #: constant scale ranked better than the rescaled one on both real sets (README, Index section)
 AUTO_RESCALE_MIN_BITS = 2
-#: a uint8 scale code c stands for 2**(c / LOG_SCALE_STEPS), covering [1, 2] (cosine "rescale": 1/⟨ŷ, Πx⟩)
-LOG_SCALE_STEPS = 255
-#: fewest padding bits that carry the cosine centering bias as a tail code (4, 5 and 6 bits ranked alike
-#: on GloVe-50 at 1 bit)
-TAIL_MIN_BITS = 4
 FILE_KIND = "tqvec.Index"
 #: 2: the header records ``tail_bits`` (version 1 files load unless their configuration now means a tail code)
 FILE_VERSION = 2
-
-
-@dataclass
-class _Rows:
-    """Named per-row tensors with spare capacity; rows ``[0, size)`` are live and never modified in place.
-
-    ``scoring`` caches the scan's view of the live rows (side fields widened to float32 or derived from the
-    codes), built by the first search of this snapshot; a new snapshot is published on every change."""
-
-    tensors: dict[str, torch.Tensor]
-    ids: np.ndarray
-    size: int
-    scoring: list[scan.CodeBlock] = field(default_factory=list)
-
-    def view(self) -> "_Rows":
-        n = self.size
-        return _Rows({k: t[:n] for k, t in self.tensors.items()}, self.ids[:n], n)
-
-
-def _side_fields(metric: str, mode: str, correction: str) -> dict[str, torch.dtype]:
-    """Per-vector side-information fields stored for this configuration, with their storage dtypes.
-
-    float16 for cosine (bounded values), float32 otherwise; for cosine with ``"rescale"`` the scale
-    1/⟨ŷ, Πx⟩ ∈ [1, 2] is a uint8 log code (relative step 0.27%).
-    """
-    names = () if (metric == "cosine" and correction == "none") else ("scale",)
-    if correction == "center" or metric == "l2":
-        names += ("bias",)
-    if mode == "prod":
-        names += ("residual",)
-    fields = {name: torch.float16 if metric == "cosine" else torch.float32 for name in names}
-    if metric == "cosine" and correction == "rescale" and mode == "mse":
-        fields["scale"] = torch.uint8
-    return fields
-
-
-def _store_side(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if dtype == torch.uint8:
-        return (torch.log2(values) * LOG_SCALE_STEPS).round().clamp(0, LOG_SCALE_STEPS).to(torch.uint8)
-    return values.to(dtype)
-
-
-def _load_side(stored: torch.Tensor) -> torch.Tensor:
-    if stored.dtype == torch.uint8:
-        return torch.exp2(stored.float() / LOG_SCALE_STEPS)
-    return stored.float()
-
-
-def sort_ids(live: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(sorted ids, their rows)`` of the live int64 ids, the lookup table of :func:`rows_of_ids`."""
-    order = np.argsort(live, kind="stable")
-    return live[order], order
-
-
-def rows_of_ids(table: tuple[np.ndarray, np.ndarray], ids: np.ndarray, missing_ok: bool = False) -> np.ndarray:
-    """Row of each id in ``table`` (:func:`sort_ids`): −1 if absent and ``missing_ok``, else ``KeyError``."""
-    keys, order = table
-    if len(keys) == 0:
-        found, rows = np.zeros(len(ids), bool), np.full(len(ids), -1, np.int64)
-    else:
-        pos = np.searchsorted(keys, ids).clip(0, len(keys) - 1)
-        found = keys[pos] == ids
-        rows = np.where(found, order[pos], -1)
-    if not missing_ok and not found.all():
-        raise KeyError(f"unknown id {int(ids[~found][0])}")
-    return rows
-
-
-def new_ids(ids: Any, n: int, next_id: int, table: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-    """Ids ``(n,)`` int64 for ``n`` added vectors: ``ids`` checked (``ValueError`` on a duplicate or an id in
-    ``table``), or consecutive from ``next_id`` when None."""
-    if ids is None:
-        if next_id + n - 1 > MAX_ID:
-            raise ValueError(f"automatic ids are used up: {n} more after {next_id - 1} would pass the largest id "
-                             f"{MAX_ID}; pass ids explicitly")
-        return np.arange(next_id, next_id + n, dtype=np.int64)
-    new = as_ids(ids, n)
-    if len(np.unique(new)) != n:
-        raise ValueError("ids contain duplicates")
-    present = rows_of_ids(table, new, missing_ok=True) >= 0
-    if present.any():
-        raise ValueError(f"id {int(new[present][0])} is already in the index")
-    return new
-
-
-def _numpy(t: torch.Tensor | np.ndarray) -> np.ndarray:
-    return t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t
-
-
-def search_results(
-    metric: str, q: torch.Tensor | np.ndarray, scores: torch.Tensor | np.ndarray, rows: torch.Tensor | np.ndarray,
-    ids: np.ndarray, k: int | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """FAISS-style ``(D, I)`` float32 / int64 ``(nq, k)`` from estimated inner products ``scores`` of queries ``q`` and
-    their ``rows`` (−1: no result, given D ``±inf`` and I −1), ``ids[row]`` the stored id. L2 distances are the
-    estimates ``‖q‖² − 2·score``, not clamped at 0: at low rates they can fall far below (−49 at 1.5 bits in
-    ``tests/test_index.py``), and clamping would flatten the ranking D reports.
-
-    A NaN estimate (which validated inputs and files cannot produce) never ranks first: such entries move,
-    in order, to the end of their row (where numpy's sort puts NaN), behind every number and the padding.
-
-    ``k`` (≥ the columns of ``scores``): pad the results to ``k`` columns with ∓inf / −1, so that a search may
-    scan for at most ``ntotal`` results and still answer ``k`` (FAISS's convention)."""
-    rows_np = _numpy(rows)
-    labels = np.where(rows_np >= 0, ids[rows_np.clip(0)] if len(ids) else -1, -1)
-    scores_np = _numpy(scores).astype(np.float32, copy=False)
-    if metric == "l2":
-        q_np = _numpy(q)
-        squared = np.einsum("ij,ij->i", q_np, q_np).astype(np.float32)[:, None]
-        distances = np.where(rows_np < 0, np.float32(np.inf), squared - 2 * scores_np)
-    else:
-        distances = np.where(rows_np < 0, np.float32(-np.inf), scores_np)
-    nan = np.isnan(distances)
-    if nan.any():
-        order = np.argsort(nan, axis=1, kind="stable")
-        distances, labels = np.take_along_axis(distances, order, 1), np.take_along_axis(labels, order, 1)
-    if k is not None and k > distances.shape[1]:
-        pad = k - distances.shape[1]
-        fill = np.float32(np.inf if metric == "l2" else -np.inf)
-        distances = np.concatenate([distances, np.full((len(distances), pad), fill, np.float32)], 1)
-        labels = np.concatenate([labels, np.full((len(labels), pad), -1, np.int64)], 1)
-    return distances, labels
-
-
-class CodedRows:
-    """The per-vector row layout that :class:`Index` and :class:`tqvec.ivf.IVFIndex` share: packed codes (and QJL
-    bits in ``prod`` mode) from ``quantizer``, side fields ``side_fields`` (name → stored dtype), an optional
-    rerank code from ``fine_quantizer``. Subclasses set those and ``dim``, ``bits``, ``mode``, ``correction``,
-    ``device``, and define ``__len__``."""
-
-    dim: int
-    bits: float
-    mode: str
-    correction: str
-    device: torch.device
-    side_fields: dict[str, torch.dtype]
-    quantizer: TurboQuantizer
-    fine_quantizer: TurboQuantizer | None
-
-    @staticmethod
-    def _side_bytes(fields: dict[str, torch.dtype]) -> int:
-        return sum(torch.empty(0, dtype=dtype).element_size() for dtype in fields.values())
-
-    def _budget_quantizer(self, code_bytes: int, seed: int, rotation: str) -> TurboQuantizer:
-        """The quantizer whose packed codes (and QJL bits) fill ``code_bytes`` bytes per vector."""
-        rescale = self.mode == "mse" and self.correction != "none"
-        try:
-            return TurboQuantizer.for_bytes(self.dim, code_bytes, self.mode, rotation, seed, rescale)
-        except ValueError as err:
-            raise ValueError(f"bits={self.bits:g}: {err} (side information {tuple(self.side_fields)} needs "
-                             f"{self._side_bytes(self.side_fields)} bytes)") from err
-
-    def _empty_tensors(self) -> dict[str, torch.Tensor]:
-        """Zero-row tensors of every stored field, on ``device``."""
-        dev = self.device
-        tensors = {"packed": torch.zeros(0, self.quantizer.layout.row_bytes, dtype=torch.uint8, device=dev)}
-        tensors.update({name: torch.zeros(0, dtype=dtype, device=dev) for name, dtype in self.side_fields.items()})
-        if self.mode == "prod":
-            tensors["qjl"] = torch.zeros(0, math.ceil(self.quantizer.rotated_dim / 8), dtype=torch.uint8, device=dev)
-        if self.fine_quantizer is not None:
-            tensors["fine_packed"] = torch.zeros(0, self.fine_quantizer.layout.row_bytes, dtype=torch.uint8, device=dev)
-            tensors["fine_scale"] = torch.zeros(0, dtype=torch.float32, device=dev)
-        return tensors
-
-    @property
-    def ntotal(self) -> int:
-        """Number of stored vectors (FAISS name)."""
-        return len(self)
-
-    @property
-    def code_bytes_per_vector(self) -> int:
-        """Bytes per vector that scoring reads: codes, QJL bits and side information (≤ the budget)."""
-        q = self.quantizer
-        qjl = math.ceil(q.rotated_dim / 8) if self.mode == "prod" else 0
-        return q.layout.row_bytes + qjl + self._side_bytes(self.side_fields)
-
-    @property
-    def rerank_bytes_per_vector(self) -> int:
-        """Extra bytes per vector of the rerank code (0 without ``rerank_bits``)."""
-        fq = self.fine_quantizer
-        return 0 if fq is None else fq.layout.row_bytes + 4
 
 
 class Index(CodedRows):
@@ -307,23 +116,24 @@ class Index(CodedRows):
         seed = check_seed(seed)
         device = as_device(device)
         self.row_bytes = math.ceil(self.dim * self.bits / 8)
-        side_fits = self._side_bytes(_side_fields(metric, mode, "center")) <= AUTO_SIDE_SHARE * self.row_bytes
+        side_fits = self._side_bytes(side_fields_for(metric, mode, "center")) <= AUTO_SIDE_SHARE * self.row_bytes
         low_cosine = metric == "cosine" and self.bits < AUTO_RESCALE_MIN_BITS
-        tail_layout = self._tail_layout(rotation) if low_cosine and mode == "mse" and not side_fits else None
+        padded = low_cosine and mode == "mse" and not side_fits
+        layout = tail_layout(rotated_dim(rotation, self.dim), self.row_bytes) if padded else None
         if correction == "auto":
             if side_fits:
                 correction = "center"
             elif low_cosine:
-                correction = "none" if tail_layout is None else "center"
+                correction = "none" if layout is None else "center"
             else:
                 correction = "rescale"
         self.correction = correction
         #: width of the centering bias code kept in the code padding (0: not used; module docstring)
-        self.tail_bits = tail_layout.spare_bits if correction == "center" and tail_layout is not None else 0
-        self.side_fields = {} if self.tail_bits else _side_fields(metric, mode, correction)
+        self.tail_bits = layout.spare_bits if correction == "center" and layout is not None else 0
+        self.side_fields = {} if self.tail_bits else side_fields_for(metric, mode, correction)
         self.device = torch.device(device)
         if self.tail_bits:
-            self.quantizer = TurboQuantizer(dim, 1, mode, rotation, seed, rescale=False, layout=tail_layout)
+            self.quantizer = TurboQuantizer(dim, 1, mode, rotation, seed, rescale=False, layout=layout)
         else:
             self.quantizer = self._budget_quantizer(self.row_bytes - self._side_bytes(self.side_fields), seed, rotation)
         self.fine_quantizer = None
@@ -336,17 +146,7 @@ class Index(CodedRows):
         self._lock = threading.Lock()
         self._next_id = 0
         self._sorted: tuple[np.ndarray, np.ndarray] | None = None
-        self._rows = _Rows(self._empty_tensors(), np.zeros(0, np.int64), 0)
-
-    def _tail_layout(self, rotation: str) -> Layout | None:
-        """The code layout of the whole budget with ≥ ``TAIL_MIN_BITS`` spare bits for the bias code and at
-        least 1 bit on every channel, or None."""
-        channels = rotated_dim(rotation, self.dim)
-        try:
-            layout = layout_for_bytes(channels, self.row_bytes, spare_bits=TAIL_MIN_BITS)
-        except ValueError:
-            return None
-        return layout if layout.bits_per_row >= channels else None
+        self._rows = RowSnapshot(self._empty_tensors(), np.zeros(0, np.int64), 0)
 
     # ------------------------------------------------------------------ properties
     def __len__(self) -> int:
@@ -403,12 +203,13 @@ class Index(CodedRows):
         codes = self.quantizer.encode_checked(centered)
         out = {"packed": codes.packed}
         if self.tail_bits:
-            write_tail(codes.packed, self._bias_code(self._center_products(x)), self.quantizer.layout, self.tail_bits)
+            write_tail(codes.packed, bias_code(self._center_products(x), self._center_or_zero(), self.tail_bits),
+                       self.quantizer.layout, self.tail_bits)
         side = {"scale": codes.scales, "residual": codes.residual_norms}
         if "bias" in self.side_fields:
             bias = torch.zeros(x.shape[0], device=x.device) if self._center is None else self._center_products(x)
             side["bias"] = bias - 0.5 * (x * x).sum(1) if self.metric == "l2" else bias
-        out.update({name: _store_side(side[name], dtype) for name, dtype in self.side_fields.items()})
+        out.update({name: store_side(side[name], dtype) for name, dtype in self.side_fields.items()})
         if self.mode == "prod":
             out["qjl"] = codes.qjl
         if self.fine_quantizer is not None:
@@ -430,11 +231,11 @@ class Index(CodedRows):
                 grown[name][:n] = t[:n]
             grown_ids = np.empty(cap, np.int64)
             grown_ids[:n] = rows.ids[:n]
-            rows = _Rows(grown, grown_ids, n)
+            rows = RowSnapshot(grown, grown_ids, n)
         for name, t in new.items():
             rows.tensors[name][n:n + m] = t
         rows.ids[n:n + m] = ids
-        self._rows = _Rows(rows.tensors, rows.ids, n + m)  # publish: running searches keep their snapshot
+        self._rows = RowSnapshot(rows.tensors, rows.ids, n + m)  # publish: running searches keep their snapshot
         self._next_id = max(self._next_id, int(ids.max()) + 1 if m else 0)
         self._sorted = None
 
@@ -457,7 +258,7 @@ class Index(CodedRows):
             keep[self._rows_of(ids)] = False
             live = self._rows.view()
             mask = torch.from_numpy(keep).to(self.device)
-            self._rows = _Rows({k: t[mask] for k, t in live.tensors.items()}, live.ids[keep], int(keep.sum()))
+            self._rows = RowSnapshot({k: t[mask] for k, t in live.tensors.items()}, live.ids[keep], int(keep.sum()))
             self._sorted = None
         return len(ids)
 
@@ -483,33 +284,14 @@ class Index(CodedRows):
         from the tail code) and the additive per-row bias ``(n,)`` float32 (None without one)."""
         packed = t["packed"]
         if self.tail_bits:
-            return self._tail_side(packed)
-        scale = _load_side(t["scale"]) if "scale" in t else torch.ones(packed.shape[0], device=packed.device)
-        residual = _load_side(t["residual"]) if "residual" in t else None
+            return tail_side(packed, self._center_or_zero(), self.tail_bits, self.quantizer)
+        scale = load_side(t["scale"]) if "scale" in t else torch.ones(packed.shape[0], device=packed.device)
+        residual = load_side(t["residual"]) if "residual" in t else None
         bias = t["bias"].float() if "bias" in t else None
         return Codes(packed, scale, t.get("qjl"), residual), bias
 
-    def _bias_range(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(‖c‖, step)`` of the uniform bias code over ``[−‖c‖, ‖c‖]`` (float32 scalars)."""
-        center = self._center if self._center is not None else torch.zeros(self.dim, device=self.device)
-        radius = torch.linalg.vector_norm(center)
-        return radius, radius * (2.0 / ((1 << self.tail_bits) - 1))
-
-    def _bias_code(self, bias: torch.Tensor) -> torch.Tensor:
-        """``bias = ⟨c, x⟩`` ``(n,)`` → nearest of the ``2**tail_bits`` uniform levels over ``[−‖c‖, ‖c‖]`` (int64)."""
-        radius, step = self._bias_range()
-        if float(step) == 0.0:  # c = 0: every bias is 0, level 0 decodes to −‖c‖ = 0
-            return torch.zeros(bias.shape[0], dtype=torch.int64, device=bias.device)
-        return torch.round((bias + radius) / step).clamp(0, (1 << self.tail_bits) - 1).to(torch.int64)
-
-    def _tail_side(self, packed: torch.Tensor) -> tuple[Codes, torch.Tensor]:
-        """Scale ``‖x − c‖ / ‖ŷ‖`` and bias ``⟨c, x⟩`` of rows that carry the bias as a tail code (module docstring)."""
-        radius, step = self._bias_range()
-        bias = read_tail(packed, self.quantizer.layout, self.tail_bits).to(torch.float32) * step - radius
-        distance = torch.sqrt((1 - 2 * bias + radius * radius).clamp_min(0))  # ‖x − c‖ for unit x
-        norms = self.quantizer.code_norms(packed)
-        scale = torch.where(norms > 0, distance / norms.clamp_min(1e-30), torch.zeros_like(distance))
-        return Codes(packed, scale), bias
+    def _center_or_zero(self) -> torch.Tensor:
+        return self._center if self._center is not None else torch.zeros(self.dim, device=self.device)
 
     # ------------------------------------------------------------------ search
     def search(self, queries: Any, k: int, rerank: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -579,7 +361,7 @@ class Index(CodedRows):
             values = (q * q).sum(1, keepdim=True) - 2 * values
         return values.cpu().numpy().astype(np.float32)
 
-    def _rerank(self, shifted: torch.Tensor, live: _Rows, bias: torch.Tensor | None, rows: torch.Tensor,
+    def _rerank(self, shifted: torch.Tensor, live: RowSnapshot, bias: torch.Tensor | None, rows: torch.Tensor,
                 k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rescore candidate ``rows`` ``(nq, R·k)`` with the fine code; keep the best ``k`` per query."""
         fq = self.fine_quantizer
@@ -626,7 +408,7 @@ class Index(CodedRows):
         if version not in (1, FILE_VERSION):
             raise storage.StorageError(f"{path}: unsupported index version {version!r}")
         try:
-            ids, center = _check_file(meta, arrays, version)
+            ids, center = check_index_file(meta, arrays, version == FILE_VERSION)
             index = cls(meta["dim"], meta["bits"], meta["metric"], meta["mode"], meta["seed"], meta["rotation"],
                         meta["correction"], meta["rerank_bits"], device)
             if version == 1 and index.tail_bits:
@@ -648,7 +430,7 @@ class Index(CodedRows):
         index._center = None if center is None else torch.as_tensor(np.array(center, np.float32)).to(device)
         index._center_pending = meta["center_pending"]
         index._next_id = meta["next_id"]
-        index._rows = _Rows(tensors, np.asarray(ids, np.int64), len(ids))
+        index._rows = RowSnapshot(tensors, np.asarray(ids, np.int64), len(ids))
         return index
 
     def _check_loaded(self, arrays: dict[str, np.ndarray], ids: np.ndarray, center: np.ndarray | None) -> None:
@@ -656,51 +438,3 @@ class Index(CodedRows):
         check_rows(arrays, self._empty_tensors(), len(ids))
         if center is not None and self.correction != "center":
             raise ValueError(f"a center is stored without correction='center' ({self.correction!r})")
-
-
-def _check_file(meta: dict, arrays: dict[str, np.ndarray], version: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """Header fields and arrays of an ``Index`` file, checked against each other before the index is built
-    (``ValueError``). Returns ``(ids, center)``."""
-    dim = check_meta(meta, "dim", int)
-    check_positive_int("dim", dim)
-    bits = check_bits(check_meta(meta, "bits", (int, float)))
-    for name in ("metric", "mode", "rotation", "correction"):
-        check_meta(meta, name, str)
-    check_seed(check_meta(meta, "seed", int))
-    check_meta(meta, "rerank_bits", (int, float, type(None)))
-    pending = check_meta(meta, "center_pending", bool)
-    if version == FILE_VERSION:
-        check_meta(meta, "tail_bits", int)
-    ids = check_array(arrays, "ids", "<i8", (None,))
-    check_file_ids(ids, check_meta(meta, "next_id", int))
-    check_row_budget(arrays, ("packed", "qjl", *SIDE_NAMES), dim, bits)
-    center = None
-    if "center" in arrays:
-        center = check_array(arrays, "center", "<f4", (dim,), bound=math.sqrt(MAX_SQUARED_NORM))
-        check_row_norms(torch.from_numpy(np.array(center, np.float32)).reshape(1, -1), "center")
-        if pending:
-            raise ValueError("a stored center while center_pending is set")
-    elif meta["correction"] == "center" and not pending and len(ids):
-        raise ValueError("rows encoded against a center that the file lacks")
-    if pending and len(ids):
-        raise ValueError("center_pending is set but the file holds vectors")
-    return ids, center
-
-
-#: per-vector side fields any configuration may store (:func:`_side_fields`)
-SIDE_NAMES = ("scale", "bias", "residual")
-#: magnitude limits of stored float side fields: a scale or QJL norm is at most about a vector's norm (≤ 2**60
-#: after :func:`~tqvec.validation.as_float_matrix`), a bias about its squared norm
-SIDE_BOUNDS = {"scale": 2.0**64, "residual": 2.0**64, "fine_scale": 2.0**64, "bias": 2.0**122}
-
-
-def check_rows(arrays: dict[str, np.ndarray], expected: dict[str, torch.Tensor], n: int) -> None:
-    """The row arrays of a file: exactly the names, dtypes and widths of ``expected`` (zero-row tensors of the
-    configuration), ``n`` rows each, float side fields finite and within :data:`SIDE_BOUNDS`."""
-    if set(arrays) != set(expected):
-        raise ValueError(f"arrays {sorted(arrays)} do not match the configuration's {sorted(expected)}")
-    for name in arrays:
-        want = expected[name]
-        dtype = np.dtype(torch.empty(0, dtype=want.dtype).numpy().dtype).newbyteorder("<").str
-        check_array(arrays, name, dtype, (n, *want.shape[1:]),
-                    bound=SIDE_BOUNDS.get(name, 2.0**122) if want.dtype.is_floating_point else None)

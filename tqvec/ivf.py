@@ -28,52 +28,35 @@ and side information together. On top of that each vector costs its int64 id and
 its list (:attr:`IVFIndex.bytes_per_vector`); the index adds ``nlist · dim`` float32 centroids
 (:attr:`IVFIndex.nbytes`).
 
-Search. One query at a time (or few): the probed lists' rows are gathered and scanned in one
-:func:`tqvec.scan.search` call with the per-list constants folded into the bias. Many queries: list by
-list, each probed list scanned once for all the queries that probe it (a GEMM per list), then the
-per-list top-k are merged. Both run on the index's device through :mod:`tqvec.scan` (Triton kernels on
-CUDA) and use torch's intra-op threads on CPU (``torch.set_num_threads``).
+Search. On the CPU one native call prepares the queries (probes, constants, rotation) and scans the probed
+lists (``docs/native.md``); the torch path (:mod:`tqvec._ivf_search`) serves CUDA, QJL codes and rerank.
+Threads: ``torch.set_num_threads``.
 
 Concurrency and files: as ``Index`` (searches see a snapshot; ``add``/``remove`` take a lock; ``save``
 writes atomically through :mod:`tqvec.storage` with kind ``"tqvec.IVFIndex"``).
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 import threading
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from . import _fastscan, scan, storage
-from .index import CORRECTIONS, METRICS, SIDE_NAMES, CodedRows, check_rows, new_ids, rows_of_ids, search_results, sort_ids
+from ._file_checks import check_ivf_file
+from ._ivf_search import search_torch
+from ._rows import CORRECTIONS, METRICS, CodedRows, ListSnapshot, check_rows, new_ids, rows_of_ids, side_fields_for, sort_ids
+from .kmeans import assign_nearest, kmeans
 from .quantizer import Codes, TurboQuantizer
-from .rotation import rowwise_matmul
-from .validation import (
-    MAX_SQUARED_NORM,
-    as_device,
-    as_float_matrix,
-    as_ids,
-    check_array,
-    check_bits,
-    check_choice,
-    check_file_ids,
-    check_meta,
-    check_positive_int,
-    check_row_budget,
-    check_row_norms,
-    check_seed,
-)
+from .validation import as_device, as_float_matrix, as_ids, check_bits, check_choice, check_positive_int, check_seed
 
 ENCODINGS = ("residual", "direct")
-#: "auto" picks "center" when scale + bias take at most this share of the budget. IVF's own rule: on GloVe-50
-#: at 4 bits (residual, 512 lists) center beat rescale at equal bytes (recall@10 0.839 vs 0.828 at nprobe 64)
-#: although the flat Index now centers only up to 10%.
+#: "auto" picks "center" when scale + bias take at most this share of the budget (IVF's own rule, measured:
+#: docs/design.md)
 AUTO_SIDE_SHARE = 0.25
 FILE_KIND = "tqvec.IVFIndex"
 FILE_VERSION = 1
@@ -81,73 +64,6 @@ FILE_VERSION = 1
 MAX_POINTS_PER_LIST = 256
 #: auto-training on the first ``add`` needs at least this many rows per list (FAISS warns below it)
 MIN_POINTS_PER_LIST = 39
-KMEANS_ITERATIONS = 20
-#: most scores (rows × nlist, float32) that assigning vectors to lists holds at once: 16 MiB
-ASSIGN_BLOCK_SCORES = 1 << 22
-#: the one-query-at-a-time path is used while ``nq · GATHER_RATIO ≤`` the number of distinct probed lists
-GATHER_RATIO = 4
-
-
-@dataclass(frozen=True)
-class _Snapshot:
-    """What a search reads: rows ``[0, size)`` of the row tensors, and each list's rows (int32 arrays)."""
-
-    tensors: dict[str, torch.Tensor]  # name -> (size, ...) rows, never modified in place
-    ids: np.ndarray  # (size,) int64
-    lists: tuple[torch.Tensor, ...]  # nlist × (n_l,) int32 row numbers
-    size: int
-    #: what searches derive from this snapshot, built once: "block" (the scan's view of all rows)
-    cache: dict[str, scan.CodeBlock] = field(default_factory=dict, compare=False, repr=False)
-
-    @functools.cached_property
-    def list_table(self) -> _fastscan.Lists:
-        """The lists as ``(offsets (nlist + 1,), rows (size,))`` int64 arrays for the native scan, built once."""
-        sizes = np.array([len(rows) for rows in self.lists], np.int64)
-        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        rows = torch.cat(self.lists).long().cpu().numpy() if self.lists else np.zeros(0, np.int64)
-        if len(rows) and (rows.min() < 0 or rows.max() >= self.size):
-            raise RuntimeError("inverted lists name rows outside the index")
-        return _fastscan.Lists(offsets, rows)
-
-
-def kmeans(x: torch.Tensor, k: int, iterations: int = KMEANS_ITERATIONS, seed: int = 0,
-           by_ip: bool = False) -> torch.Tensor:
-    """Lloyd's k-means of ``x`` ``(n, d)`` float32 into ``k`` centroids ``(k, d)`` (seeded init from rows).
-
-    ``by_ip``: assign by largest inner product (for ``metric="ip"``) instead of L2. Empty clusters
-    are re-seeded from the rows of the largest cluster.
-    """
-    n = x.shape[0]
-    if n < k:
-        raise ValueError(f"k-means needs at least nlist={k} training vectors, got {n}")
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    centroids = x[torch.randperm(n, generator=gen)[:k].to(x.device)].clone()
-    for _ in range(iterations):
-        assign = _assign(x, centroids, by_ip)
-        counts = torch.bincount(assign, minlength=k)
-        sums = torch.zeros_like(centroids).index_add_(0, assign, x)
-        empty = counts == 0
-        centroids = torch.where(empty[:, None], centroids, sums / counts.clamp_min(1)[:, None])
-        if bool(empty.any()):
-            donors = torch.nonzero(assign == int(counts.argmax())).flatten()
-            pick = donors[torch.randperm(len(donors), generator=gen)[: int(empty.sum())].to(x.device)]
-            centroids[torch.nonzero(empty).flatten()[: len(pick)]] = x[pick] * (1 + 1e-4)
-    return centroids
-
-
-def _assign(x: torch.Tensor, centroids: torch.Tensor, by_ip: bool) -> torch.Tensor:
-    """Nearest centroid of each row of ``x`` ``(n, d)`` → ``(n,)`` int64.
-
-    Blockwise: at most :data:`ASSIGN_BLOCK_SCORES` scores (rows × nlist) exist at a time, so memory stays
-    bounded whatever ``n`` and ``nlist`` (training calls this every k-means iteration).
-    """
-    half_sq = 0.5 * (centroids * centroids).sum(1)
-    out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
-    block = max(1, ASSIGN_BLOCK_SCORES // max(1, centroids.shape[0]))
-    for start in range(0, x.shape[0], block):
-        s = rowwise_matmul(x[start:start + block], centroids.T)
-        out[start:start + block] = (s if by_ip else s - half_sq).argmax(1)
-    return out
 
 
 class IVFIndex(CodedRows):
@@ -185,7 +101,6 @@ class IVFIndex(CodedRows):
         self.nprobe = check_positive_int("nprobe", nprobe)
         self.seed = seed = check_seed(seed)
         device = as_device(device)
-        self.side_dtype = torch.float16 if metric == "cosine" else torch.float32
         self.row_bytes = math.ceil(self.dim * self.bits / 8)
         if correction == "auto":
             side = self._side_bytes(self._side_fields("center"))
@@ -212,20 +127,14 @@ class IVFIndex(CodedRows):
         self._ids_capacity = np.zeros(0, np.int64)
         self._list_capacity: list[torch.Tensor] = [torch.zeros(0, dtype=torch.int32, device=self.device)] * self.nlist
         self._list_sizes = [0] * self.nlist
-        self._snap = _Snapshot({k: t[:0] for k, t in self._capacity.items()}, self._ids_capacity[:0],
+        self._snap = ListSnapshot({k: t[:0] for k, t in self._capacity.items()}, self._ids_capacity[:0],
                                tuple(t[:0] for t in self._list_capacity), 0)
 
     # ------------------------------------------------------------------ configuration
     def _side_fields(self, correction: str) -> dict[str, torch.dtype]:
-        """Per-vector side fields (all ``side_dtype``): the scale (unless plain unit-norm direct cosine codes), bias,
-        QJL norm."""
-        unit = self.metric == "cosine" and self.encoding == "direct" and correction == "none"
-        names = () if unit else ("scale",)
-        if correction == "center" or self.metric == "l2":
-            names += ("bias",)
-        if self.mode == "prod":
-            names += ("residual",)
-        return dict.fromkeys(names, self.side_dtype)
+        """Per-vector side fields: the scale (unless plain unit-norm direct cosine codes), bias, QJL norm."""
+        unit = self.metric == "cosine" and self.encoding == "direct"
+        return side_fields_for(self.metric, self.mode, correction, unit_codes=unit, log_scale=False)
 
     # ------------------------------------------------------------------ properties
     def __len__(self) -> int:
@@ -270,11 +179,8 @@ class IVFIndex(CodedRows):
     def _train(self, x: torch.Tensor) -> None:
         if len(self):
             raise ValueError("train: the index already holds vectors (train before the first add)")
-        cap = MAX_POINTS_PER_LIST * self.nlist
-        if x.shape[0] > cap:
-            gen = torch.Generator(device="cpu").manual_seed(self.seed)
-            x = x[torch.randperm(x.shape[0], generator=gen)[:cap].to(x.device)]
-        self.centroids = kmeans(x, self.nlist, seed=self.seed, by_ip=self.metric == "ip")
+        self.centroids = kmeans(x, self.nlist, seed=self.seed, by_ip=self.metric == "ip",
+                                max_points=MAX_POINTS_PER_LIST * self.nlist)
 
     # ------------------------------------------------------------------ add
     def add(self, x: Any, ids: Any = None) -> np.ndarray:
@@ -296,7 +202,7 @@ class IVFIndex(CodedRows):
             if self._center_pending:
                 self._center = x.mean(0)
                 self._center_pending = False
-            lists = _assign(x, self.centroids, self.metric == "ip")
+            lists = assign_nearest(x, self.centroids, self.metric == "ip")
             self._append(self._encode(x, lists), new_ids, lists)
         return new_ids
 
@@ -364,7 +270,7 @@ class IVFIndex(CodedRows):
         self._list_sizes[l] = size + len(rows)
 
     def _publish(self, size: int) -> None:
-        self._snap = _Snapshot({k: t[:size] for k, t in self._capacity.items()}, self._ids_capacity[:size],
+        self._snap = ListSnapshot({k: t[:size] for k, t in self._capacity.items()}, self._ids_capacity[:size],
                                tuple(t[:s] for t, s in zip(self._list_capacity, self._list_sizes)), size)
         self._sorted = None
 
@@ -379,7 +285,7 @@ class IVFIndex(CodedRows):
         """Row of each id (−1 if absent and ``missing_ok``, else ``KeyError``)."""
         return rows_of_ids(self._id_table(), ids, missing_ok)
 
-    def _row_lists(self, snap: _Snapshot) -> torch.Tensor:
+    def _row_lists(self, snap: ListSnapshot) -> torch.Tensor:
         """The list of every row ``(size,)`` int64."""
         out = torch.empty(snap.size, dtype=torch.int64, device=self.device)
         for l, rows in enumerate(snap.lists):
@@ -452,36 +358,9 @@ class IVFIndex(CodedRows):
                 raise ValueError("rerank needs an index built with rerank_bits")
         if rerank is None and scan.native_queries(q, self.mode) and self._snap.size and self.centroids is not None:
             return self._search_native(q.numpy(), k, min(nprobe, self.nlist))
-        if self.metric == "cosine":
-            q = torch.nn.functional.normalize(q, dim=1)
-        snap, centroids, center = self._snap, self.centroids, self._center
-        nq, depth = q.shape[0], min(k * (rerank or 1), max(1, snap.size))  # never more work than ntotal
-        if snap.size == 0 or centroids is None:
-            values = torch.full((nq, k), float("-inf"), device=q.device)
-            return search_results(self.metric, q, values, torch.full((nq, k), -1, dtype=torch.int64, device=q.device), snap.ids)
-        nprobe = min(nprobe, self.nlist)
-        qc = q @ centroids.T  # (nq, nlist)
-        closeness = qc if self.metric == "ip" else qc - 0.5 * (centroids * centroids).sum(1)
-        # ties go to the lower list number, as in the native kernel
-        probe = torch.sort(closeness, dim=1, descending=True, stable=True).indices[:, :nprobe]
-        if self.encoding == "residual":
-            constant = qc
-        else:  # one base for every list
-            constant = (torch.zeros(nq, 1, device=q.device) if center is None else (q @ center)[:, None]).expand(-1, self.nlist)
-        rotated, projected = self.quantizer.rotate_checked(q)
-        whole = self._scan_block(snap)
-        if scan.native_serves(rotated, whole, self.quantizer.table(self.device)):
-            probes = _fastscan.Probes(probe.cpu().numpy(), constant.gather(1, probe).cpu().numpy())
-            values, rows = scan.search_lists(rotated, whole, self.quantizer.table(self.device), depth, snap.list_table, probes)
-        elif nq == 1 or nq * GATHER_RATIO <= len(torch.unique(probe)):
-            values, rows = self._search_gather(snap, rotated, projected, probe, constant, depth)
-        else:
-            values, rows = self._search_lists(snap, rotated, projected, probe, constant, depth)
-        if rerank is not None:
-            values, rows = self._rerank(q, snap, rows, min(k, depth))
-        return search_results(self.metric, q, values, rows, snap.ids, k=k)
+        return search_torch(self, q, k, nprobe, rerank)
 
-    def _scan_block(self, snap: _Snapshot) -> scan.CodeBlock:
+    def _scan_block(self, snap: ListSnapshot) -> scan.CodeBlock:
         """The scan's view of all rows of ``snap`` (side fields widened once per snapshot)."""
         if "block" not in snap.cache:
             coded = {name: t for name, t in snap.tensors.items() if not name.startswith("fine")}
@@ -501,81 +380,6 @@ class IVFIndex(CodedRows):
             self._query_prep = (key, prep)
         return scan.search_queries(x, self._scan_block(snap), self.quantizer.table(self.device), self._query_prep[1], k,
                                    snap.ids, self.metric == "l2", snap.list_table, nprobe)
-
-    def _block(self, t: dict[str, torch.Tensor], extra_bias: torch.Tensor) -> scan.CodeBlock:
-        """The scan's view of gathered rows ``t``, with ``extra_bias`` ``(n,)`` added to the stored bias."""
-        bias = extra_bias if "bias" not in t else t["bias"].float() + extra_bias
-        return self.quantizer.code_block(self._codes(t), bias)
-
-    def _search_gather(self, snap: _Snapshot, rotated: torch.Tensor, projected: torch.Tensor | None,
-                       probe: torch.Tensor, constant: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per query: gather the probed lists' rows and scan them at once. Returns (values, rows) ``(nq, depth)``."""
-        nq = rotated.shape[0]
-        values = torch.full((nq, depth), float("-inf"), device=rotated.device)
-        rows = torch.full((nq, depth), -1, dtype=torch.int64, device=rotated.device)
-        table = self.quantizer.table(self.device)
-        for i in range(nq):
-            lists = probe[i].tolist()
-            parts = [snap.lists[l] for l in lists]
-            sizes = torch.tensor([len(p) for p in parts], device=rotated.device)
-            members = torch.cat(parts)
-            if not len(members):
-                continue
-            t = {name: tensor.index_select(0, members) for name, tensor in snap.tensors.items() if not name.startswith("fine")}
-            extra = torch.repeat_interleave(constant[i, probe[i]], sizes)
-            v, r = scan.search(rotated[i:i + 1], self._block(t, extra), table, depth,
-                               None if projected is None else projected[i:i + 1])
-            values[i], rows[i] = v[0], torch.where(r[0] >= 0, members[r[0].clamp_min(0)].long(), -1)
-        return values, rows
-
-    def _search_lists(self, snap: _Snapshot, rotated: torch.Tensor, projected: torch.Tensor | None,
-                      probe: torch.Tensor, constant: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """List by list: every probed list is scanned once for all its queries, its results merged at once into
-        each query's running top-``depth`` (memory ``nq × depth``, not ``nq × nprobe × depth``)."""
-        nq, nprobe = probe.shape
-        table = self.quantizer.table(self.device)
-        best_v = torch.full((nq, depth), float("-inf"), device=rotated.device)
-        best_r = torch.full((nq, depth), -1, dtype=torch.int64, device=rotated.device)
-        flat = probe.flatten()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.nlist).tolist()
-        start = 0
-        for l, c in enumerate(counts):
-            if not c:
-                continue
-            pairs = order[start:start + c]
-            start += c
-            members = snap.lists[l]
-            if not len(members):
-                continue
-            qi = pairs // nprobe  # distinct: a query probes a list at most once
-            t = {name: tensor.index_select(0, members) for name, tensor in snap.tensors.items() if not name.startswith("fine")}
-            bias = torch.zeros(len(members), device=rotated.device)
-            v, r = scan.search(rotated[qi], self._block(t, bias), table, depth, None if projected is None else projected[qi])
-            merged_v = torch.cat([best_v[qi], v + constant[qi, l][:, None]], dim=1)
-            merged_r = torch.cat([best_r[qi], torch.where(r >= 0, members[r.clamp_min(0)].long(), -1)], dim=1)
-            top, pos = torch.topk(merged_v, depth, dim=1)
-            best_v[qi], best_r[qi] = top, torch.gather(merged_r, 1, pos)
-        return best_v, best_r.masked_fill(best_v == float("-inf"), -1)
-
-    def _rerank(self, q: torch.Tensor, snap: _Snapshot, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rescore candidate ``rows`` ``(nq, R·k)`` against their decoded fine vectors; keep the best ``k``."""
-        flat = rows.clamp_min(0).reshape(-1)
-        fine = self.fine_quantizer.decode(Codes(snap.tensors["fine_packed"][flat], snap.tensors["fine_scale"][flat]))
-        base = self._bases(self._row_lists_of(snap, flat))
-        x = (fine if base is None else fine + base).view(*rows.shape, self.dim)
-        values = torch.einsum("qd,qcd->qc", q, x)
-        if self.metric == "l2":
-            values = values - 0.5 * (x * x).sum(-1)
-        values = values.masked_fill(rows < 0, float("-inf"))
-        top, pos = torch.topk(values, k, dim=1)
-        return top, torch.gather(rows, 1, pos).masked_fill(top == float("-inf"), -1)
-
-    def _row_lists_of(self, snap: _Snapshot, rows: torch.Tensor) -> torch.Tensor:
-        """The list of each of ``rows`` (only needed for residual bases)."""
-        if self.encoding == "direct":
-            return torch.zeros_like(rows)
-        return self._row_lists(snap)[rows]
 
     # ------------------------------------------------------------------ persistence
     def _config(self) -> dict[str, Any]:
@@ -613,7 +417,7 @@ class IVFIndex(CodedRows):
         if meta.get("version") != FILE_VERSION:
             raise storage.StorageError(f"{path}: unsupported index version {meta.get('version')!r}")
         try:
-            ids, lists, centroids, center = _check_file(meta, arrays)
+            ids, lists, centroids, center = check_ivf_file(meta, arrays)
             index = cls(meta["dim"], meta["nlist"], meta["bits"], meta["metric"], meta["mode"], meta["encoding"],
                         meta["seed"], meta["rotation"], meta["correction"], meta["rerank_bits"], meta["nprobe"], device)
             arrays = {name: a for name, a in arrays.items() if name not in ("ids", "lists", "centroids", "center")}
@@ -637,39 +441,3 @@ class IVFIndex(CodedRows):
         check_rows(arrays, self._empty_tensors(), len(ids))
         if center is not None and not (self.encoding == "direct" and self.correction == "center"):
             raise ValueError("a center is stored, but only direct encoding with correction='center' uses one")
-
-
-def _check_file(meta: dict, arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None,
-                                                                    np.ndarray | None]:
-    """Header fields and arrays of an ``IVFIndex`` file, checked against each other before the index is built
-    (``ValueError``). Returns ``(ids, lists, centroids, center)``."""
-    dim = check_positive_int("dim", check_meta(meta, "dim", int))
-    nlist = check_positive_int("nlist", check_meta(meta, "nlist", int))
-    check_positive_int("nprobe", check_meta(meta, "nprobe", int))
-    bits = check_bits(check_meta(meta, "bits", (int, float)))
-    for name in ("metric", "mode", "encoding", "rotation", "correction"):
-        check_meta(meta, name, str)
-    check_seed(check_meta(meta, "seed", int))
-    check_meta(meta, "rerank_bits", (int, float, type(None)))
-    pending = check_meta(meta, "center_pending", bool)
-    ids = check_array(arrays, "ids", "<i8", (None,))
-    check_file_ids(ids, check_meta(meta, "next_id", int))
-    lists = check_array(arrays, "lists", "<i4", (len(ids),))
-    if len(lists) and (int(lists.min()) < 0 or int(lists.max()) >= nlist):
-        raise ValueError(f"list numbers must lie in [0, {nlist})")
-    check_row_budget(arrays, ("packed", "qjl", *SIDE_NAMES), dim, bits)
-    centroids = None
-    if "centroids" in arrays:
-        centroids = check_array(arrays, "centroids", "<f4", (nlist, dim), bound=math.sqrt(MAX_SQUARED_NORM))
-        check_row_norms(torch.from_numpy(np.array(centroids)), "centroids")
-    elif len(ids):
-        raise ValueError("vectors without centroids")
-    center = None
-    if "center" in arrays:
-        center = check_array(arrays, "center", "<f4", (dim,), bound=math.sqrt(MAX_SQUARED_NORM))
-        check_row_norms(torch.from_numpy(np.array(center, np.float32)).reshape(1, -1), "center")
-        if pending:
-            raise ValueError("a stored center while center_pending is set")
-    if pending and len(ids):
-        raise ValueError("center_pending is set but the file holds vectors")
-    return ids, lists, centroids, center

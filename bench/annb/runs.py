@@ -21,7 +21,8 @@ from typing import Any
 
 import yaml
 
-from tqvec.ivf import KMEANS_ITERATIONS, MAX_POINTS_PER_LIST
+from tqvec.ivf import MAX_POINTS_PER_LIST
+from tqvec.kmeans import KMEANS_ITERATIONS
 
 CONFIG = Path(__file__).with_name("config.yml")
 

@@ -83,8 +83,8 @@ def merge_topk(parts: Sequence[tuple[np.ndarray, np.ndarray]], k: int, metric: s
         nq: number of queries.
 
     Returns:
-        ``(D, I)`` ``(nq, k)`` float32 / int64. Equal scores keep shard order; with fewer than ``k``
-        results the tail is −1 with ∓inf.
+        ``(D, I)`` ``(nq, k)`` float32 / int64. Equal scores come in id order (as one index answers); with
+        fewer than ``k`` results the tail is −1 with ∓inf.
 
     Example::
 
@@ -95,7 +95,7 @@ def merge_topk(parts: Sequence[tuple[np.ndarray, np.ndarray]], k: int, metric: s
     pad = np.inf if metric == "l2" else -np.inf
     D = np.concatenate([*(d for d, _ in parts), np.full((nq, k), pad, np.float32)], axis=1)
     I = np.concatenate([*(i for _, i in parts), np.full((nq, k), -1, np.int64)], axis=1)
-    order = np.argsort(D if metric == "l2" else -D, axis=1, kind="stable")[:, :k]
+    order = np.lexsort((I, D if metric == "l2" else -D), axis=1)[:, :k]
     return np.take_along_axis(D, order, 1), np.take_along_axis(I, order, 1)
 
 

@@ -1,0 +1,252 @@
+"""The per-vector row store that :class:`~tqvec.index.Index` and :class:`~tqvec.ivf.IVFIndex` share: published
+row snapshots, side fields and their storage dtypes, ids and their lookup table, the FAISS-style ``(D, I)``
+answer, and the checks of a file's row arrays."""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import _fastscan, scan
+from .quantizer import TurboQuantizer
+from .validation import MAX_ID, as_ids, check_array
+
+METRICS = ("ip", "l2", "cosine")
+CORRECTIONS = ("auto", "none", "rescale", "center")
+#: a uint8 scale code c stands for 2**(c / LOG_SCALE_STEPS), covering [1, 2] (cosine "rescale": 1/⟨ŷ, Πx⟩)
+LOG_SCALE_STEPS = 255
+
+
+@dataclass
+class RowSnapshot:
+    """Named per-row tensors with spare capacity; rows ``[0, size)`` are live and never modified in place.
+
+    ``scoring`` caches the scan's view of the live rows (side fields widened to float32 or derived from the
+    codes), built by the first search of this snapshot; a new snapshot is published on every change."""
+
+    tensors: dict[str, torch.Tensor]
+    ids: np.ndarray
+    size: int
+    scoring: list[scan.CodeBlock] = field(default_factory=list)
+
+    def view(self) -> RowSnapshot:
+        n = self.size
+        return RowSnapshot({k: t[:n] for k, t in self.tensors.items()}, self.ids[:n], n)
+
+
+def side_fields_for(metric: str, mode: str, correction: str, unit_codes: bool | None = None,
+                    log_scale: bool = True) -> dict[str, torch.dtype]:
+    """Per-vector side-information fields stored for this configuration, with their storage dtypes: the scale
+    (not for ``correction="none"`` on ``unit_codes``, unit-norm coded vectors: by default those of cosine), the
+    bias (``"center"``, or ``"l2"``'s ``−‖x‖²/2``), the QJL residual norm (``"prod"``).
+
+    float16 for cosine (bounded values), float32 otherwise; with ``log_scale``, for cosine with ``"rescale"``
+    the scale 1/⟨ŷ, Πx⟩ ∈ [1, 2] is a uint8 log code (relative step 0.27%).
+    """
+    unit_codes = metric == "cosine" if unit_codes is None else unit_codes
+    names = () if (unit_codes and correction == "none") else ("scale",)
+    if correction == "center" or metric == "l2":
+        names += ("bias",)
+    if mode == "prod":
+        names += ("residual",)
+    fields = {name: torch.float16 if metric == "cosine" else torch.float32 for name in names}
+    if log_scale and metric == "cosine" and correction == "rescale" and mode == "mse":
+        fields["scale"] = torch.uint8
+    return fields
+
+
+def store_side(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.uint8:
+        return (torch.log2(values) * LOG_SCALE_STEPS).round().clamp(0, LOG_SCALE_STEPS).to(torch.uint8)
+    return values.to(dtype)
+
+
+def load_side(stored: torch.Tensor) -> torch.Tensor:
+    if stored.dtype == torch.uint8:
+        return torch.exp2(stored.float() / LOG_SCALE_STEPS)
+    return stored.float()
+
+
+def sort_ids(live: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(sorted ids, their rows)`` of the live int64 ids, the lookup table of :func:`rows_of_ids`."""
+    order = np.argsort(live, kind="stable")
+    return live[order], order
+
+
+def rows_of_ids(table: tuple[np.ndarray, np.ndarray], ids: np.ndarray, missing_ok: bool = False) -> np.ndarray:
+    """Row of each id in ``table`` (:func:`sort_ids`): −1 if absent and ``missing_ok``, else ``KeyError``."""
+    keys, order = table
+    if len(keys) == 0:
+        found, rows = np.zeros(len(ids), bool), np.full(len(ids), -1, np.int64)
+    else:
+        pos = np.searchsorted(keys, ids).clip(0, len(keys) - 1)
+        found = keys[pos] == ids
+        rows = np.where(found, order[pos], -1)
+    if not missing_ok and not found.all():
+        raise KeyError(f"unknown id {int(ids[~found][0])}")
+    return rows
+
+
+def new_ids(ids: Any, n: int, next_id: int, table: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """Ids ``(n,)`` int64 for ``n`` added vectors: ``ids`` checked (``ValueError`` on a duplicate or an id in
+    ``table``), or consecutive from ``next_id`` when None."""
+    if ids is None:
+        if next_id + n - 1 > MAX_ID:
+            raise ValueError(f"automatic ids are used up: {n} more after {next_id - 1} would pass the largest id "
+                             f"{MAX_ID}; pass ids explicitly")
+        return np.arange(next_id, next_id + n, dtype=np.int64)
+    new = as_ids(ids, n)
+    if len(np.unique(new)) != n:
+        raise ValueError("ids contain duplicates")
+    present = rows_of_ids(table, new, missing_ok=True) >= 0
+    if present.any():
+        raise ValueError(f"id {int(new[present][0])} is already in the index")
+    return new
+
+
+def _numpy(t: torch.Tensor | np.ndarray) -> np.ndarray:
+    return t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t
+
+
+def search_results(
+    metric: str, q: torch.Tensor | np.ndarray, scores: torch.Tensor | np.ndarray, rows: torch.Tensor | np.ndarray,
+    ids: np.ndarray, k: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """FAISS-style ``(D, I)`` float32 / int64 ``(nq, k)`` from estimated inner products ``scores`` of queries ``q`` and
+    their ``rows`` (−1: no result, given D ``±inf`` and I −1), ``ids[row]`` the stored id. L2 distances are the
+    estimates ``‖q‖² − 2·score``, not clamped at 0: at low rates they can fall far below (−49 at 1.5 bits in
+    ``tests/test_index.py``), and clamping would flatten the ranking D reports.
+
+    A NaN estimate (which validated inputs and files cannot produce) never ranks first: such entries move,
+    in order, to the end of their row (where numpy's sort puts NaN), behind every number and the padding.
+
+    ``k`` (≥ the columns of ``scores``): pad the results to ``k`` columns with ∓inf / −1, so that a search may
+    scan for at most ``ntotal`` results and still answer ``k`` (FAISS's convention)."""
+    rows_np = _numpy(rows)
+    labels = np.where(rows_np >= 0, ids[rows_np.clip(0)] if len(ids) else -1, -1)
+    scores_np = _numpy(scores).astype(np.float32, copy=False)
+    if metric == "l2":
+        q_np = _numpy(q)
+        squared = np.einsum("ij,ij->i", q_np, q_np).astype(np.float32)[:, None]
+        distances = np.where(rows_np < 0, np.float32(np.inf), squared - 2 * scores_np)
+    else:
+        distances = np.where(rows_np < 0, np.float32(-np.inf), scores_np)
+    # equal distances in id order (as the native search and the sharded merge): the answer does not depend on
+    # the order rows were stored in
+    order = np.lexsort((labels, distances if metric == "l2" else -distances), axis=1)
+    distances, labels = np.take_along_axis(distances, order, 1), np.take_along_axis(labels, order, 1)
+    nan = np.isnan(distances)
+    if nan.any():
+        order = np.argsort(nan, axis=1, kind="stable")
+        distances, labels = np.take_along_axis(distances, order, 1), np.take_along_axis(labels, order, 1)
+    if k is not None and k > distances.shape[1]:
+        pad = k - distances.shape[1]
+        fill = np.float32(np.inf if metric == "l2" else -np.inf)
+        distances = np.concatenate([distances, np.full((len(distances), pad), fill, np.float32)], 1)
+        labels = np.concatenate([labels, np.full((len(labels), pad), -1, np.int64)], 1)
+    return distances, labels
+
+
+class CodedRows:
+    """The per-vector row layout that :class:`Index` and :class:`tqvec.ivf.IVFIndex` share: packed codes (and QJL
+    bits in ``prod`` mode) from ``quantizer``, side fields ``side_fields`` (name → stored dtype), an optional
+    rerank code from ``fine_quantizer``. Subclasses set those and ``dim``, ``bits``, ``mode``, ``correction``,
+    ``device``, and define ``__len__``."""
+
+    dim: int
+    bits: float
+    mode: str
+    correction: str
+    device: torch.device
+    side_fields: dict[str, torch.dtype]
+    quantizer: TurboQuantizer
+    fine_quantizer: TurboQuantizer | None
+
+    @staticmethod
+    def _side_bytes(fields: dict[str, torch.dtype]) -> int:
+        return sum(torch.empty(0, dtype=dtype).element_size() for dtype in fields.values())
+
+    def _budget_quantizer(self, code_bytes: int, seed: int, rotation: str) -> TurboQuantizer:
+        """The quantizer whose packed codes (and QJL bits) fill ``code_bytes`` bytes per vector."""
+        rescale = self.mode == "mse" and self.correction != "none"
+        try:
+            return TurboQuantizer.for_bytes(self.dim, code_bytes, self.mode, rotation, seed, rescale)
+        except ValueError as err:
+            raise ValueError(f"bits={self.bits:g}: {err} (side information {tuple(self.side_fields)} needs "
+                             f"{self._side_bytes(self.side_fields)} bytes)") from err
+
+    def _empty_tensors(self) -> dict[str, torch.Tensor]:
+        """Zero-row tensors of every stored field, on ``device``."""
+        dev = self.device
+        tensors = {"packed": torch.zeros(0, self.quantizer.layout.row_bytes, dtype=torch.uint8, device=dev)}
+        tensors.update({name: torch.zeros(0, dtype=dtype, device=dev) for name, dtype in self.side_fields.items()})
+        if self.mode == "prod":
+            tensors["qjl"] = torch.zeros(0, math.ceil(self.quantizer.rotated_dim / 8), dtype=torch.uint8, device=dev)
+        if self.fine_quantizer is not None:
+            tensors["fine_packed"] = torch.zeros(0, self.fine_quantizer.layout.row_bytes, dtype=torch.uint8, device=dev)
+            tensors["fine_scale"] = torch.zeros(0, dtype=torch.float32, device=dev)
+        return tensors
+
+    @property
+    def ntotal(self) -> int:
+        """Number of stored vectors (FAISS name)."""
+        return len(self)
+
+    @property
+    def code_bytes_per_vector(self) -> int:
+        """Bytes per vector that scoring reads: codes, QJL bits and side information (≤ the budget)."""
+        q = self.quantizer
+        qjl = math.ceil(q.rotated_dim / 8) if self.mode == "prod" else 0
+        return q.layout.row_bytes + qjl + self._side_bytes(self.side_fields)
+
+    @property
+    def rerank_bytes_per_vector(self) -> int:
+        """Extra bytes per vector of the rerank code (0 without ``rerank_bits``)."""
+        fq = self.fine_quantizer
+        return 0 if fq is None else fq.layout.row_bytes + 4
+
+
+#: per-vector side fields any configuration may store (:func:`side_fields_for`)
+SIDE_NAMES = ("scale", "bias", "residual")
+#: magnitude limits of stored float side fields: a scale or QJL norm is at most about a vector's norm (≤ 2**60
+#: after :func:`~tqvec.validation.as_float_matrix`), a bias about its squared norm
+SIDE_BOUNDS = {"scale": 2.0**64, "residual": 2.0**64, "fine_scale": 2.0**64, "bias": 2.0**122}
+
+
+def check_rows(arrays: dict[str, np.ndarray], expected: dict[str, torch.Tensor], n: int) -> None:
+    """The row arrays of a file: exactly the names, dtypes and widths of ``expected`` (zero-row tensors of the
+    configuration), ``n`` rows each, float side fields finite and within :data:`SIDE_BOUNDS`."""
+    if set(arrays) != set(expected):
+        raise ValueError(f"arrays {sorted(arrays)} do not match the configuration's {sorted(expected)}")
+    for name in arrays:
+        want = expected[name]
+        dtype = np.dtype(torch.empty(0, dtype=want.dtype).numpy().dtype).newbyteorder("<").str
+        check_array(arrays, name, dtype, (n, *want.shape[1:]),
+                    bound=SIDE_BOUNDS.get(name, 2.0**122) if want.dtype.is_floating_point else None)
+
+
+@dataclass(frozen=True)
+class ListSnapshot:
+    """An inverted-file index's published rows, what a search reads: rows ``[0, size)`` of the row tensors, and
+    each list's rows (int32 arrays)."""
+
+    tensors: dict[str, torch.Tensor]  # name -> (size, ...) rows, never modified in place
+    ids: np.ndarray  # (size,) int64
+    lists: tuple[torch.Tensor, ...]  # nlist × (n_l,) int32 row numbers
+    size: int
+    #: what searches derive from this snapshot, built once: "block" (the scan's view of all rows)
+    cache: dict[str, scan.CodeBlock] = field(default_factory=dict, compare=False, repr=False)
+
+    @functools.cached_property
+    def list_table(self) -> _fastscan.Lists:
+        """The lists as ``(offsets (nlist + 1,), rows (size,))`` int64 arrays for the native scan, built once."""
+        sizes = np.array([len(rows) for rows in self.lists], np.int64)
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        rows = torch.cat(self.lists).long().cpu().numpy() if self.lists else np.zeros(0, np.int64)
+        if len(rows) and (rows.min() < 0 or rows.max() >= self.size):
+            raise RuntimeError("inverted lists name rows outside the index")
+        return _fastscan.Lists(offsets, rows)
