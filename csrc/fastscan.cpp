@@ -616,7 +616,8 @@ const char* search(const SearchArgs& a, Isa max_isa) {
   }
   const int64_t keep = simd ? std::max(a.k, a.rescore) : a.k;
   const ExactSteps exact = exact_steps(a.plan);
-  std::vector<std::vector<std::vector<Candidate>>> found(work.size());  // per item, per query of the item
+  // candidates per item and query of the item, kept for the merge when a query's rows are split across items
+  std::vector<std::vector<std::vector<Candidate>>> found(work.size());
 #ifdef TQVEC_X86
   const StepOps ops = simd ? step_ops(a.plan) : StepOps{};
 #endif
@@ -644,7 +645,12 @@ const char* search(const SearchArgs& a, Isa max_isa) {
           for (Candidate& c : cands)
             c.score = finish(a.rows, c.row, exact_dot(exact, lut, a.rows.packed + c.row * a.rows.row_bytes), c.constant);
         }
-        found[i].push_back(std::move(cands));
+        if (parts == 1) {  // the query's only item: answer now, keep nothing for the merge
+          const int64_t q = w.query + static_cast<int64_t>(j);
+          write_best(a.k, cands, a.out_values + q * a.k, a.out_rows + q * a.k);
+        } else {
+          found[i].push_back(std::move(cands));
+        }
       }
     }
   };
@@ -664,7 +670,7 @@ const char* search(const SearchArgs& a, Isa max_isa) {
     }
   };
   parallel_for(work.size(), threads, scan_items);
-  parallel_for(static_cast<size_t>(a.nq), threads, merge_queries, 16);
+  if (parts > 1) parallel_for(static_cast<size_t>(a.nq), threads, merge_queries, 16);
   return avx512 ? "avx512" : simd ? "avx2" : "scalar";
 }
 
