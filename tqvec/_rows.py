@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,10 +153,10 @@ def search_results(
 
 
 class CodedRows:
-    """The per-vector row layout that :class:`Index` and :class:`tqvec.ivf.IVFIndex` share: packed codes (and QJL
-    bits in ``prod`` mode) from ``quantizer``, side fields ``side_fields`` (name → stored dtype), an optional
-    rerank code from ``fine_quantizer``. Subclasses set those and ``dim``, ``bits``, ``mode``, ``correction``,
-    ``device``, and define ``__len__``."""
+    """The per-vector row layout that :class:`~tqvec.index.Index` and :class:`~tqvec.ivf.IVFIndex` share: packed
+    codes (and QJL bits in ``prod`` mode) from ``quantizer``, side fields ``side_fields`` (name → stored dtype), an
+    optional rerank code from ``fine_quantizer``, and the steps of loading them from a file. Subclasses set those
+    and ``dim``, ``bits``, ``mode``, ``correction``, ``device``, and define ``__len__`` and ``_check_loaded``."""
 
     dim: int
     bits: float
@@ -190,6 +191,21 @@ class CodedRows:
             tensors["fine_packed"] = torch.zeros(0, self.fine_quantizer.layout.row_bytes, dtype=torch.uint8, device=dev)
             tensors["fine_scale"] = torch.zeros(0, dtype=torch.float32, device=dev)
         return tensors
+
+    def _loaded_tensors(self, arrays: dict[str, np.ndarray], ids: np.ndarray, center: np.ndarray | None,
+                        device: str | torch.device) -> dict[str, torch.Tensor]:
+        """The row ``arrays`` of a file, checked against this freshly built configuration (``_check_loaded``:
+        ``ValueError``), as tensors on ``device`` (over read-only mapped arrays, never written)."""
+        self._check_loaded(arrays, ids, center)
+        with warnings.catch_warnings():  # read-only mmap arrays: tensors over them are never written
+            warnings.simplefilter("ignore", UserWarning)
+            return {name: torch.as_tensor(arr).to(device) for name, arr in arrays.items()}
+
+    def _restore_header(self, meta: dict, center: np.ndarray | None, device: str | torch.device) -> None:
+        """The loaded centering state and next automatic id."""
+        self._center = None if center is None else torch.as_tensor(np.array(center, np.float32)).to(device)
+        self._center_pending = meta["center_pending"]
+        self._next_id = meta["next_id"]
 
     @property
     def ntotal(self) -> int:

@@ -40,7 +40,6 @@ from __future__ import annotations
 import math
 import os
 import threading
-import warnings
 from typing import Any
 
 import numpy as np
@@ -419,17 +418,12 @@ class Index(CodedRows):
             if version == FILE_VERSION and meta["tail_bits"] != index.tail_bits:
                 raise ValueError(f"tail_bits {meta['tail_bits']!r} in the header, {index.tail_bits} for this configuration")
             arrays = {name: a for name, a in arrays.items() if name not in ("ids", "center")}
-            index._check_loaded(arrays, ids, center)
-            with warnings.catch_warnings():  # read-only mmap arrays: tensors over them are never written
-                warnings.simplefilter("ignore", UserWarning)
-                tensors = {name: torch.as_tensor(arr).to(device) for name, arr in arrays.items()}
+            tensors = index._loaded_tensors(arrays, ids, center, device)
         except (KeyError, TypeError, ValueError) as err:
             if isinstance(err, storage.StorageError):
                 raise
             raise storage.StorageError(f"{path}: inconsistent index file ({err})") from err
-        index._center = None if center is None else torch.as_tensor(np.array(center, np.float32)).to(device)
-        index._center_pending = meta["center_pending"]
-        index._next_id = meta["next_id"]
+        index._restore_header(meta, center, device)
         index._rows = RowSnapshot(tensors, np.asarray(ids, np.int64), len(ids))
         return index
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 import math
 import os
 import threading
-import warnings
 from typing import Any
 
 import numpy as np
@@ -421,18 +420,13 @@ class IVFIndex(CodedRows):
             index = cls(meta["dim"], meta["nlist"], meta["bits"], meta["metric"], meta["mode"], meta["encoding"],
                         meta["seed"], meta["rotation"], meta["correction"], meta["rerank_bits"], meta["nprobe"], device)
             arrays = {name: a for name, a in arrays.items() if name not in ("ids", "lists", "centroids", "center")}
-            index._check_loaded(arrays, ids, center)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                tensors = {name: torch.as_tensor(arr).to(device) for name, arr in arrays.items()}
+            tensors = index._loaded_tensors(arrays, ids, center, device)
         except (KeyError, TypeError, ValueError) as err:
             if isinstance(err, storage.StorageError):
                 raise
             raise storage.StorageError(f"{path}: inconsistent index file ({err})") from err
         index.centroids = None if centroids is None else torch.as_tensor(np.array(centroids, np.float32)).to(device)
-        index._center = None if center is None else torch.as_tensor(np.array(center, np.float32)).to(device)
-        index._center_pending = meta["center_pending"]
-        index._next_id = meta["next_id"]
+        index._restore_header(meta, center, device)
         index._reset_rows(tensors, np.asarray(ids, np.int64), torch.as_tensor(np.array(lists, np.int64)).to(device))
         return index
 
