@@ -614,7 +614,8 @@ const char* search(const SearchArgs& a, Isa max_isa) {
       work.push_back(w);
     }
   }
-  const int64_t keep = simd ? std::max(a.k, a.rescore) : a.k;
+  // candidates kept per query: never more than the rows (a k past them is padding, written by write_best)
+  const int64_t keep = std::min<int64_t>(simd ? std::max(a.k, a.rescore) : a.k, std::max<int64_t>(1, a.rows.n));
   const ExactSteps exact = exact_steps(a.plan);
   // candidates per item and query of the item, kept for the merge when a query's rows are split across items
   std::vector<std::vector<std::vector<Candidate>>> found(work.size());
@@ -654,6 +655,9 @@ const char* search(const SearchArgs& a, Isa max_isa) {
       }
     }
   };
+  parallel_for(work.size(), threads, scan_items);
+  const char* kernel = avx512 ? "avx512" : simd ? "avx2" : "scalar";
+  if (parts == 1) return kernel;  // each query was answered by its only item
   // Merge the (exactly scored) candidates of each query's items.
   std::vector<size_t> first_item(static_cast<size_t>(a.nq) + 1, work.size());
   for (size_t i = work.size(); i-- > 0;)
@@ -669,9 +673,8 @@ const char* search(const SearchArgs& a, Isa max_isa) {
       write_best(a.k, cands, a.out_values + q * a.k, a.out_rows + q * a.k);
     }
   };
-  parallel_for(work.size(), threads, scan_items);
-  if (parts > 1) parallel_for(static_cast<size_t>(a.nq), threads, merge_queries, 16);
-  return avx512 ? "avx512" : simd ? "avx2" : "scalar";
+  parallel_for(static_cast<size_t>(a.nq), threads, merge_queries, 16);
+  return kernel;
 }
 
 }  // namespace tqvec

@@ -6,6 +6,7 @@
 #include <numeric>
 #include <vector>
 
+#include "fastscan.h"
 #include "parallel.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -74,24 +75,16 @@ __attribute__((target("avx2,fma"))) void matvec_avx2(const float* m, int64_t row
 using Dot = float (*)(const float*, const float*, int64_t);
 using Matvec = void (*)(const float*, int64_t, int64_t, const float*, float*);
 
-bool avx2() {
-#ifdef TQVEC_X86
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-  return false;
-#endif
-}
-
 Dot pick_dot() {
 #ifdef TQVEC_X86
-  if (avx2()) return dot_avx2;
+  if (has_avx2()) return dot_avx2;
 #endif
   return dot_scalar;
 }
 
 Matvec pick_matvec() {
 #ifdef TQVEC_X86
-  if (avx2()) return matvec_avx2;
+  if (has_avx2()) return matvec_avx2;
 #endif
   return matvec_scalar;
 }

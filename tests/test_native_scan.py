@@ -7,9 +7,7 @@ tolerance of each other (ties may swap).
 """
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -17,6 +15,7 @@ import pytest
 import torch
 
 from tqvec import Index, TurboQuantizer, _fastscan, scan
+from tqvec.bench.annb.module import torch_threads
 from tqvec.ivf import IVFIndex
 from tqvec.packing import Layout
 
@@ -127,16 +126,6 @@ def test_every_kernel_returns_the_same_rows(dim: int, bits: float) -> None:
         _assert_same_results(out["scalar"], out[name])
 
 
-@contextlib.contextmanager
-def _torch_threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def test_threads_do_not_change_results(kernel) -> None:
     """One query on four threads splits its rows (flat) or its lists (IVF) across them; three queries batch."""
     x, q = _data(20000, 32, seed=10), _data(3, 32, seed=11)
@@ -146,9 +135,9 @@ def test_threads_do_not_change_results(kernel) -> None:
     kernel("native")
     for search in (lambda v: flat.search(v, 10), lambda v: ivf.search(v, 10, nprobe=8)):
         for queries in (q[:1], q):
-            with _torch_threads(1):
+            with torch_threads(1):
                 one = search(queries)
-            with _torch_threads(4):
+            with torch_threads(4):
                 many = search(queries)
             assert np.array_equal(one[1], many[1]) and np.array_equal(one[0], many[0])
 
@@ -161,9 +150,9 @@ def test_concurrent_searches_share_the_thread_pool(kernel) -> None:
     flat.add(x)
     ivf.add(x)
     kernel("native")
-    with _torch_threads(1):
+    with torch_threads(1):
         alone = [flat.search(q, 10), ivf.search(q, 10, nprobe=4)]
-    with _torch_threads(4), ThreadPoolExecutor(4) as pool:
+    with torch_threads(4), ThreadPoolExecutor(4) as pool:
         runs = [pool.submit(lambda: (flat.search(q, 10), ivf.search(q, 10, nprobe=4))) for _ in range(16)]
         results = [run.result() for run in runs]
     for got in results:
@@ -183,7 +172,7 @@ def test_forked_child_starts_its_own_thread_pool(kernel) -> None:
     index = Index(32, 4, "ip")
     index.add(x)
     kernel("native")
-    with _torch_threads(4):
+    with torch_threads(4):
         expected = index.search(q, 10)[1]  # the parent's pool is running now
         context = multiprocessing.get_context("fork")
         out = context.Queue()

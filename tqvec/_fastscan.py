@@ -237,13 +237,7 @@ def search_queries(queries: np.ndarray, source: _native.Rows, steps: Plan, prep:
     Returns FAISS-style ``(D, I)`` ``(nq, k)``: ``I`` the ``ids`` (one per row) of the best rows, ``D`` their scores,
     or with ``l2`` the distances ``‖q‖² − 2·score``; −1 and −inf (+inf for ``l2``) where fewer than ``k`` rows exist.
     """
-    n = len(ids)
-    depth = min(k, max(1, n))  # never more work than the rows; the rest is padding
     distances, labels, _ = _native.search_queries(steps.handle, source, prep, np.ascontiguousarray(queries, np.float32),
-                                                  ids, l2, int(nprobe), depth, rescore_count(depth),
+                                                  ids, l2, int(nprobe), int(k), rescore_count(k),
                                                   max(1, torch.get_num_threads()), MAX_ISA)
-    if k > depth:
-        fill = np.float32(np.inf if l2 else -np.inf)
-        distances = np.concatenate([distances, np.full((len(distances), k - depth), fill, np.float32)], 1)
-        labels = np.concatenate([labels, np.full((len(labels), k - depth), -1, np.int64)], 1)
     return distances, labels
