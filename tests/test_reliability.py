@@ -447,3 +447,27 @@ def test_fuzz_load_short(tmp_path: Path) -> None:
     run_random(target, 400, seed=20)
     assert target.inputs == 400 and target.findings == []
     assert target.loaded > 0  # some mutations keep the file valid: the "loaded, then used" path runs too
+
+
+def test_fuzz_load_instrumented_functions_exist() -> None:
+    """The atheris engine's instrumentation list resolves (its names are looked up without atheris, so a refactor
+    that moves one fails here) and covers the file checks, each function once."""
+    from tqvec import _file_checks, _rows
+    from tqvec.bench.fuzz_load import instrumented_functions
+
+    funcs = instrumented_functions()
+    assert len(funcs) == len(set(funcs)) and all(hasattr(f, "__code__") for f in funcs)
+    assert {_file_checks.check_index_file, _file_checks.check_ivf_file, _rows.check_rows} <= set(funcs)
+
+
+def test_fuzz_load_merges_workers(tmp_path: Path) -> None:
+    """A parallel run's result: workers' counts summed, and a worker that ended with no result is a finding."""
+    from tqvec.bench.fuzz_load import WorkerRun, merge
+
+    done = {"inputs": 50, "loaded": 7, "slowest_input_s": 0.2, "n_findings": 0, "findings": [], "finished": True}
+    runs = [WorkerRun(1, 50, tmp_path / "w0.json", tmp_path / "w0.log", returncode=0, result=done),
+            WorkerRun(2, 50, tmp_path / "w1.json", tmp_path / "w1.log", returncode=-9, log_tail="Killed")]
+    merged = merge(runs, "random", "python -m tqvec.bench.fuzz_load", 12.34)
+    assert (merged["inputs"], merged["loaded"], merged["seconds"], merged["seeds"]) == (50, 7, 12.3, [1, 2])
+    assert not merged["finished"] and merged["n_findings"] == 1
+    assert merged["findings"][0] == {"stage": "worker", "seed": 2, "returncode": -9, "log_tail": "Killed"}
