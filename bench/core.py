@@ -1,4 +1,4 @@
-"""Core benchmarks of issue 2: CPU encode throughput beside FAISS, and distortion vs theory on real data.
+"""Core benchmarks: CPU encode throughput beside FAISS, and distortion vs theory on real data.
 
     python -m tqvec.bench.core encode        # 100,000 × 128 seeded Gaussian, tqvec vs FAISS PQ / SQ
     python -m tqvec.bench.core distortion    # GloVe-50 and KJV-384: measured MSE and inner-product error vs theory
@@ -154,7 +154,7 @@ def encode_main(argv: list[str] | None = None) -> None:
     for bits in args.bits:
         for rotation in ("haar", "hadamard"):
             for mode in ("mse", "prod"):
-                quantizer = TurboQuantizer(args.dim, bits, mode, rotation, seed=args.seed)
+                quantizer = TurboQuantizer(args.dim, bits, mode, rotation=rotation, seed=args.seed)
                 quantizer.encode(x[:1000])  # warm-up (codebook, lookup tables)
                 seconds = best_time(lambda: quantizer.encode(x), args.repeats)
                 codes = quantizer.encode(x)
@@ -237,7 +237,7 @@ def distortion_main(argv: list[str] | None = None) -> None:
         for rotation in args.rotations:
             for mode in ("mse", "prod"):
                 for bits in args.bits:
-                    quantizer = TurboQuantizer(x.shape[1], bits, mode, rotation, seed=args.seed)
+                    quantizer = TurboQuantizer(x.shape[1], bits, mode, rotation=rotation, seed=args.seed)
                     d_rot = quantizer.rotated_dim
                     mse = relative_mse(x, quantizer.decode(quantizer.encode(x)).numpy())
                     # prod decode adds the QJL term: E‖x̃ − y‖² = (π/2 − 1/D)·‖r‖² (see tests/test_quantizer.py)
@@ -245,7 +245,7 @@ def distortion_main(argv: list[str] | None = None) -> None:
                     # one quantizer per seed over a share of the pairs: prod is unbiased over (Π, S), and on
                     # anisotropic real data a single fixed S can carry a bias of several standard errors
                     shares = np.array_split(np.arange(args.pairs), args.ip_seeds)
-                    errs = [paired_inner_products(TurboQuantizer(x.shape[1], bits, mode, rotation, seed=args.seed + s),
+                    errs = [paired_inner_products(TurboQuantizer(x.shape[1], bits, mode, rotation=rotation, seed=args.seed + s),
                                                   queries[idx], paired[idx]) - truth[idx] for s, idx in enumerate(shares)]
                     err, seed_means = np.concatenate(errs), np.array([e.mean() for e in errs])
                     print(f"{name} {rotation} {mode} {bits:g} bits: MSE {mse:.4g} (theory {theory:.4g})", file=sys.stderr, flush=True)

@@ -397,11 +397,10 @@ def topk_compare(out_dir: Path, n: int = 1_000_000, d: int = 128, bits: int = 4,
         r["empty_graph_ms"] = graph_ms(lambda: None)
         results = {}
         for name, flag in (("torch", False), ("triton", True)):
-            ops.USE_TRITON_TOPK = flag
             ops.clear_graphs()
-            r[f"search_{name}_ms"] = time_ms(lambda: ops.search(q, block, table, K), 200, 20)
-            results[name] = ops.search(q, block, table, K)
-        ops.USE_TRITON_TOPK = True
+            with ops.configured(triton_topk=flag):
+                r[f"search_{name}_ms"] = time_ms(lambda: ops.search(q, block, table, K), 200, 20)
+                results[name] = ops.search(q, block, table, K)
         r["same_search"] = (torch.equal(results["torch"][0], results["triton"][0])
                             and torch.equal(results["torch"][1].sort(1).values, results["triton"][1].sort(1).values))
         qb = q.to(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""CPU end-to-end measurements of ``TurboQuantCache`` on SmolLM2-135M (issue 17): bytes held, peak memory, decode speed.
+"""CPU end-to-end measurements of ``TurboQuantCache`` on SmolLM2-135M: bytes held, peak memory, decode speed.
 
 Three measurements, each run in one process so that the caches compared share the machine's state:
 

@@ -1,4 +1,4 @@
-"""Issue 7 benchmark: ShardedIndex build and query throughput with 1, 2 and 4 shards on a local Ray cluster.
+"""ShardedIndex build and query throughput with 1, 2 and 4 shards on a local Ray cluster.
 
     python -m tqvec.bench.sharded [--shards 1 2 4] [--cpus N]
 

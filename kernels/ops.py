@@ -15,26 +15,31 @@ Search runs in two stages and never writes the ``(nq, n)`` score matrix:
    rows in exact float32, keeping each refined slice's best ``k`` (rounded up to a power of two); a last
    :func:`~.topk.keys_topk` over those gives the answer, sorted, equal scores by lower row first.
    ``torch.topk`` replaces them where ``k + GROUP_MARGIN`` exceeds :data:`~.topk.MAX_K_PAD`, or with
-   ``USE_TRITON_TOPK`` off (then every refined score is a candidate).
+   :attr:`SearchSettings.triton_topk` off (then every refined score is a candidate).
 
 The groups holding the true top-k always have one of the k largest exact group maxima; the margin
 absorbs the float16 rounding of stage 1 (relative error ≲ 2⁻¹⁰ of Σ|q_c·ŷ_c|), so results equal the
 float32 reference except where more than ``GROUP_MARGIN`` groups sit within that rounding of the
 k-th score (near-ties).
 
-On CUDA, the second search with the same key (query shape, k, tiling, and the database tensors'
+On CUDA, the second search with the same key (query shape, k, tiling, settings, and the database tensors'
 addresses, shapes and strides) captures the whole search in a CUDA graph; later calls with that key
 copy the queries in and replay it, which removes ~0.2 ms of launch overhead per call. At most
-``GRAPH_CACHE_SIZE`` graphs are kept (least recently used dropped); :func:`clear_graphs` frees them.
+:attr:`SearchSettings.graph_cache_size` graphs are kept (least recently used dropped); :func:`clear_graphs` frees
+them. Concurrent searches from several threads are safe (:class:`~.graphs.GraphCache` serializes replays).
+
+:class:`SearchSettings` (read with :func:`settings`, changed for a block with :func:`configured`) switch graphs
+and the Triton top-k; they live in a context variable, so a change applies to the calling thread only.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 import triton.language as tl
@@ -44,10 +49,11 @@ from tqvec.scan import CodeBlock, CodeTable
 
 from . import topk as topk_kernels
 from .encode_kernel import encode_kernel
+from .graphs import GraphCache, capture_graph
 from .launch import cdiv, pow2
 from .scan_kernel import half_queries_kernel, matvec_kernel, refine_kernel, tile_kernel
 
-T = TypeVar("T")
+__all__ = ["SearchSettings", "capture_graph", "clear_graphs", "configured", "encode", "scores", "search", "settings"]
 
 #: extra groups rescored beyond k per query (absorbs stage-1 float16 rounding)
 GROUP_MARGIN = 8
@@ -59,15 +65,6 @@ MAX_GROUP_SCORES = 1 << 28
 MATVEC_MAX_DIM = 128
 #: rows per program of :func:`~.scan_kernel.refine_kernel` (chosen groups are refined in such slices)
 REFINE_ROWS = 128
-#: replay repeated CUDA searches from captured graphs (see the module docstring)
-USE_CUDA_GRAPHS = True
-#: select groups and the final top-k with :mod:`.topk`'s Triton kernels (off: ``torch.topk``) …
-USE_TRITON_TOPK = True
-#: … for at most this many queries per search chunk (H200, N = 1M, d = 128: the Triton kernels took 0.015 / 0.035 ms
-#: against torch.topk's 0.053 / 0.062 ms for the groups at nq = 1 / 100, but 2.17 against 1.07 ms at nq = 10,000;
-#: bench/results/gpu_topk.md)
-TRITON_TOPK_MAX_QUERIES = 1000
-GRAPH_CACHE_SIZE = 8
 #: fewest channels per ``tl.dot`` step of the tile kernel: with 16, Triton 3.6 computed wrong tensor-core scores on
 #: the H200 (relative error ~1 for 4-bit codes, float16 and float32 operands alike; 32 and 64 exact)
 MIN_BLOCK_D = 32
@@ -98,6 +95,59 @@ class TileConfig:
     def __post_init__(self) -> None:
         if not self.matvec and self.block_d < MIN_BLOCK_D:
             raise ValueError(f"block_d must be at least {MIN_BLOCK_D} (see MIN_BLOCK_D), got {self.block_d}")
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """How :func:`search` runs.
+
+    Attributes
+    ----------
+    cuda_graphs : bool
+        Replay repeated CUDA searches from captured graphs (module docstring).
+    triton_topk : bool
+        Select groups and the final top-k with :mod:`.topk`'s Triton kernels (off: ``torch.topk``) …
+    triton_topk_max_queries : int
+        … for at most this many queries per search chunk (``torch.topk`` was faster beyond, on the H200:
+        bench/results/gpu_topk.md).
+    graph_cache_size : int
+        Captured graphs kept (least recently used dropped).
+    """
+
+    cuda_graphs: bool = True
+    triton_topk: bool = True
+    triton_topk_max_queries: int = 1000
+    graph_cache_size: int = 8
+
+
+_SETTINGS: ContextVar[SearchSettings] = ContextVar("tqvec_search_settings", default=SearchSettings())  # noqa: B039 - frozen
+_GRAPHS = GraphCache()
+
+
+def settings() -> SearchSettings:
+    """The :class:`SearchSettings` in force in this thread (or asyncio context)."""
+    return _SETTINGS.get()
+
+
+@contextmanager
+def configured(**changes: bool | int) -> Iterator[SearchSettings]:
+    """Change :class:`SearchSettings` fields for the ``with`` block, in this thread only.
+
+    Raises
+    ------
+    TypeError
+        A name that is not a field of :class:`SearchSettings`.
+
+    Example::
+
+        with configured(triton_topk=False):
+            values, rows = search(queries, block, table, k=10)
+    """
+    token = _SETTINGS.set(dataclasses.replace(_SETTINGS.get(), **changes))
+    try:
+        yield _SETTINGS.get()
+    finally:
+        _SETTINGS.reset(token)
 
 
 def interpreting() -> bool:
@@ -330,7 +380,8 @@ def _topk_block() -> int | None:
 
 def select_groups(group_max: torch.Tensor, kg: int) -> torch.Tensor:
     """Indices ``(nq, kg)`` int64 of each row's ``kg ≤ n_groups`` largest group maxima (order unspecified)."""
-    if USE_TRITON_TOPK and topk_kernels.supported(kg) and group_max.shape[0] <= TRITON_TOPK_MAX_QUERIES:
+    now = settings()
+    if now.triton_topk and topk_kernels.supported(kg) and group_max.shape[0] <= now.triton_topk_max_queries:
         return topk_kernels.row_topk(group_max, kg, block=_topk_block())[1]
     return torch.topk(group_max, kg, dim=1, sorted=False).indices
 
@@ -346,7 +397,8 @@ def refined_topk(
     :func:`~.topk.keys_topk` pass finishes (same answer: a query's top ``k`` holds at most ``k`` rows of any slice);
     else every refined score goes to :func:`~.topk.row_topk` or ``torch.topk``.
     """
-    triton_topk = USE_TRITON_TOPK and q.shape[0] <= TRITON_TOPK_MAX_QUERIES
+    now = settings()
+    triton_topk = now.triton_topk and q.shape[0] <= now.triton_topk_max_queries
     if triton_topk and topk_kernels.k_pad(k) < _refine_rows(group_rows):
         keys, _ = _refine(q, p, groups, block, table, group_rows, local_k=topk_kernels.k_pad(k))
         return topk_kernels.keys_topk(keys, k, block=_topk_block())
@@ -371,9 +423,16 @@ def search(
     if nq == 0 or n == 0 or k == 0:
         return _pad(torch.empty(nq, 0, device=q.device), torch.empty(nq, 0, dtype=torch.int64, device=q.device), k)
     cfg = config or tile_config(nq, table.layout, n=n)
-    if q.is_cuda and USE_CUDA_GRAPHS:
-        return _graph_search(q, p, block, table, k, cfg)
-    return _search(q, p, block, table, k, cfg)
+    now = settings()
+    if not (q.is_cuda and now.cuda_graphs):
+        return _search(q, p, block, table, k, cfg)
+    inputs = (q,) if p is None else (q, p)
+
+    def run(q: torch.Tensor, p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return _search(q, p, block, table, k, cfg)
+
+    values, rows = _GRAPHS.run(_graph_key(q, p, block, table, k, cfg, now), run, inputs, now.graph_cache_size)
+    return values, rows
 
 
 def _search(
@@ -394,78 +453,18 @@ def _search(
     return _pad(values, rows, k)
 
 
-@dataclass
-class _SearchGraph:
-    """A captured search: static query buffers in, static results out."""
-
-    graph: torch.cuda.CUDAGraph
-    queries: torch.Tensor
-    projected: torch.Tensor | None
-    values: torch.Tensor
-    rows: torch.Tensor
-
-
-_GRAPHS: OrderedDict[tuple, _SearchGraph | None] = OrderedDict()
-
-
 def clear_graphs() -> None:
     """Drop every captured search graph (and the memory its buffers hold)."""
     _GRAPHS.clear()
 
 
-def _graph_key(q: torch.Tensor, p: torch.Tensor | None, block: CodeBlock, table: CodeTable, k: int, cfg: TileConfig) -> tuple:
+def _graph_key(
+    q: torch.Tensor, p: torch.Tensor | None, block: CodeBlock, table: CodeTable, k: int, cfg: TileConfig,
+    now: SearchSettings,
+) -> tuple:
     tensors = (block.packed, block.scale, block.bias, block.signs, block.sign_scale, table.levels)
     described = tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors)
-    return (q.device, tuple(q.shape), None if p is None else tuple(p.shape), k, cfg, table.layout,
-            USE_TRITON_TOPK) + described
-
-
-def _graph_search(
-    q: torch.Tensor, p: torch.Tensor | None, block: CodeBlock, table: CodeTable, k: int, cfg: TileConfig,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_search` run eagerly on a key's first call, captured on its second, replayed after."""
-    key = _graph_key(q, p, block, table, k, cfg)
-    if key not in _GRAPHS:
-        _GRAPHS[key] = None
-        _evict()
-        return _search(q, p, block, table, k, cfg)
-    entry = _GRAPHS[key]
-    if entry is None:
-        entry = _GRAPHS[key] = _capture(q, p, block, table, k, cfg)
-    _GRAPHS.move_to_end(key)
-    entry.queries.copy_(q)
-    if p is not None:
-        entry.projected.copy_(p)
-    entry.graph.replay()
-    return entry.values.clone(), entry.rows.clone()
-
-
-def _evict() -> None:
-    while len(_GRAPHS) > GRAPH_CACHE_SIZE:
-        _GRAPHS.popitem(last=False)
-
-
-def _capture(
-    q: torch.Tensor, p: torch.Tensor | None, block: CodeBlock, table: CodeTable, k: int, cfg: TileConfig,
-) -> _SearchGraph:
-    """Capture :func:`_search` on static copies of the queries."""
-    static_q, static_p = q.clone(), None if p is None else p.clone()
-    graph, (values, rows) = capture_graph(lambda: _search(static_q, static_p, block, table, k, cfg), q.device)
-    return _SearchGraph(graph, static_q, static_p, values, rows)
-
-
-def capture_graph(fn: Callable[[], T], device: torch.device | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
-    """Run ``fn`` once on a side stream (warm-up: compilation, allocator), then capture it in a CUDA graph on
-    ``device``: the graph and what ``fn`` returned during capture (static outputs that each replay rewrites)."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
+    return (q.device, tuple(q.shape), None if p is None else tuple(p.shape), k, cfg, table.layout, now) + described
 
 
 def _pad(values: torch.Tensor, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

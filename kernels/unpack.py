@@ -30,6 +30,21 @@ def _spread_bytes(raw, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.co
 
 
 @triton.jit
+def _load_bytes(row_ptrs, row_mask, byte0, offs, NBYTES: tl.constexpr):
+    """Bytes ``byte0 + offs`` of each row as int32 ``(BLOCK_N, len(offs))``; masked rows and ``offs`` past ``NBYTES``
+    read 0."""
+    mask = row_mask[:, None] & (offs < NBYTES)[None, :]
+    return tl.load(row_ptrs[:, None] + (byte0 + offs)[None, :], mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _zero_past_dim(values, d0, DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``values`` ``(BLOCK_N, BLOCK_D)`` of channels ``d0 .. d0 + BLOCK_D`` with the channels past ``DIM`` set to 0."""
+    channel = d0 + tl.arange(0, BLOCK_D)
+    return tl.where((channel < DIM)[None, :], values, 0.0)
+
+
+@triton.jit
 def unpack_codes(
     row_ptrs,
     row_mask,
@@ -48,9 +63,7 @@ def unpack_codes(
     """
     if BITS == 1 or BITS == 2 or BITS == 4 or BITS == 8:
         CHUNK_BYTES: tl.constexpr = BLOCK_D * BITS // 8
-        offs = d0 * BITS // 8 + tl.arange(0, CHUNK_BYTES)
-        mask = row_mask[:, None] & (offs < NBYTES)[None, :]
-        raw = tl.load(row_ptrs[:, None] + (byte0 + offs)[None, :], mask=mask, other=0).to(tl.int32)
+        raw = _load_bytes(row_ptrs, row_mask, byte0, d0 * BITS // 8 + tl.arange(0, CHUNK_BYTES), NBYTES)
         codes = _spread_bytes(raw, BITS, BLOCK_N, BLOCK_D)
     else:
         channel = d0 + tl.arange(0, BLOCK_D)
@@ -80,9 +93,7 @@ def segment_values(
 ):
     """Decoded values ``(BLOCK_N, BLOCK_D)`` float32 (see :func:`lookup`); channels past ``DIM`` are 0."""
     codes = unpack_codes(row_ptrs, row_mask, byte0, d0, DIM, BITS, NBYTES, BLOCK_N, BLOCK_D)
-    values = lookup(codes, levels_ptr, BITS, SIGNS)
-    channel = d0 + tl.arange(0, BLOCK_D)
-    return tl.where((channel < DIM)[None, :], values, 0.0)
+    return _zero_past_dim(lookup(codes, levels_ptr, BITS, SIGNS), d0, DIM, BLOCK_D)
 
 
 @triton.jit
@@ -130,8 +141,7 @@ def segment_matvec(
         PER: tl.constexpr = 8 // BITS
         for b0 in range(0, NBYTES, BLOCK_B):
             byte = b0 + tl.arange(0, BLOCK_B)
-            mask = row_mask[:, None] & (byte < NBYTES)[None, :]
-            raw = tl.load(row_ptrs[:, None] + (byte0 + byte)[None, :], mask=mask, other=0).to(tl.int32)
+            raw = _load_bytes(row_ptrs, row_mask, byte0, byte, NBYTES)
             part = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
             for s in tl.static_range(PER):
                 channel = byte * PER + s
@@ -165,15 +175,10 @@ def pair_lut_values(
     ``level[b >> 4]`` (high half), the two channels stored in byte ``b``.
     """
     CHUNK_BYTES: tl.constexpr = BLOCK_D // 2
-    offs = d0 // 2 + tl.arange(0, CHUNK_BYTES)
-    mask = row_mask[:, None] & (offs < NBYTES)[None, :]
-    raw = tl.load(row_ptrs[:, None] + (byte0 + offs)[None, :], mask=mask, other=0).to(tl.int32)
-    pair = tl.load(lut_ptr + raw)
+    pair = tl.load(lut_ptr + _load_bytes(row_ptrs, row_mask, byte0, d0 // 2 + tl.arange(0, CHUNK_BYTES), NBYTES))
     low = (pair & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
     high = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-    values = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_D))
-    channel = d0 + tl.arange(0, BLOCK_D)
-    return tl.where((channel < DIM)[None, :], values, 0.0)
+    return _zero_past_dim(tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_D)), d0, DIM, BLOCK_D)
 
 
 def _lut(f) -> int:

@@ -56,7 +56,7 @@ def test_decode_mse_random_unit_vectors(rotation: str, bits: float) -> None:
     expectation is exact; the per-vector error has CV ≈ 1.2/√D ≈ 0.1, so the sample mean's relative SE
     is ≈ 0.1/√20000 ≈ 0.07 % ≪ 3 %.
     """
-    quantizer = TurboQuantizer(DIM, bits, "mse", rotation, seed=11)
+    quantizer = TurboQuantizer(DIM, bits, "mse", rotation=rotation, seed=11)
     assert quantizer.rotated_dim == DIM
     x = unit_vectors(N_UNIT, DIM, seed=1)
     err = np.sum((x - quantizer.decode(quantizer.encode(x)).numpy()) ** 2, axis=1)
@@ -76,7 +76,7 @@ def test_decode_mse_prod_mode(rotation: str, bits: float) -> None:
     x = unit_vectors(N_UNIT, DIM, seed=2)
     errors, theory = [], []
     for seed, part in enumerate(np.array_split(x, 10)):
-        quantizer = TurboQuantizer(DIM, bits, "prod", rotation, seed=seed)
+        quantizer = TurboQuantizer(DIM, bits, "prod", rotation=rotation, seed=seed)
         errors.append(np.sum((part - quantizer.decode(quantizer.encode(part)).numpy()) ** 2, axis=1).mean())
         theory.append((math.pi / 2 - 1 / DIM) * quantizer.expected_unit_mse)
     assert np.mean(errors) == pytest.approx(np.mean(theory), rel=0.03)
@@ -101,7 +101,7 @@ def test_decode_mse_real_data_haar(request: pytest.FixtureRequest, data: str, bi
     max 2.5 %, largest for fractional rates), so 5 % is ≈ 4σ.
     """
     x = request.getfixturevalue(data)
-    quantizer = TurboQuantizer(x.shape[1], bits, "mse", "haar", seed=0)
+    quantizer = TurboQuantizer(x.shape[1], bits, "mse", rotation="haar", seed=0)
     err = np.sum((x - quantizer.decode(quantizer.encode(x)).numpy()) ** 2, axis=1)
     assert err.mean() == pytest.approx(quantizer.expected_unit_mse, rel=0.05)
 
@@ -114,7 +114,7 @@ def test_decode_mse_real_data_hadamard(request: pytest.FixtureRequest, data: str
     component along the D − d padding directions, is no larger than it and at least (d/D)·80 % of it
     (an isotropic error would keep exactly d/D; at 1 bit the error leans toward the data subspace)."""
     x = request.getfixturevalue(data)
-    quantizer = TurboQuantizer(x.shape[1], bits, "mse", "hadamard", seed=0)
+    quantizer = TurboQuantizer(x.shape[1], bits, "mse", rotation="hadamard", seed=0)
     d, big_d = x.shape[1], quantizer.rotated_dim
     assert big_d == 1 << math.ceil(math.log2(d))
     codes = quantizer.encode(x)
@@ -210,7 +210,7 @@ def test_rescale_removes_per_vector_bias(bits: int) -> None:
 def test_inner_product_equals_query_dot_decode(monkeypatch: pytest.MonkeyPatch, mode: str, rotation: str) -> None:
     """The blockwise scan computes exactly ⟨q, decode(x)⟩ (d = 50: hadamard pads to 64), across block edges."""
     monkeypatch.setattr(scan, "BLOCK_ROWS", 7)
-    quantizer = TurboQuantizer(50, 3, mode, rotation, seed=5)
+    quantizer = TurboQuantizer(50, 3, mode, rotation=rotation, seed=5)
     x = np.random.default_rng(5).standard_normal((45, 50)).astype(np.float32) * 3
     q = np.random.default_rng(6).standard_normal((9, 50)).astype(np.float32)
     codes = quantizer.encode(x)
@@ -240,9 +240,9 @@ def test_search_matches_full_scores(monkeypatch: pytest.MonkeyPatch, mode: str) 
 @pytest.mark.parametrize("rotation", ["haar", "hadamard"])
 def test_encoding_deterministic_per_seed_and_seeds_differ(mode: str, rotation: str) -> None:
     x = unit_vectors(500, 96, seed=10)
-    a = TurboQuantizer(96, 3, mode, rotation, seed=123).encode(x)
-    b = TurboQuantizer(96, 3, mode, rotation, seed=123).encode(x)
-    c = TurboQuantizer(96, 3, mode, rotation, seed=124).encode(x)
+    a = TurboQuantizer(96, 3, mode, rotation=rotation, seed=123).encode(x)
+    b = TurboQuantizer(96, 3, mode, rotation=rotation, seed=123).encode(x)
+    c = TurboQuantizer(96, 3, mode, rotation=rotation, seed=124).encode(x)
     for field_a, field_b in zip(a._tensors(), b._tensors()):
         assert torch.equal(field_a, field_b)
     assert (a.packed != c.packed).float().mean() > 0.5
@@ -255,7 +255,7 @@ def test_encoding_deterministic_per_seed_and_seeds_differ(mode: str, rotation: s
 def test_same_values_same_codes_for_numpy_torch_and_dtypes(mode: str, rotation: str) -> None:
     """Values exactly representable in float16 give identical codes from numpy/torch float16/32/64."""
     values = np.random.default_rng(11).standard_normal((300, 40)).astype(np.float16)
-    quantizer = TurboQuantizer(40, 2.5, mode, rotation, seed=1)
+    quantizer = TurboQuantizer(40, 2.5, mode, rotation=rotation, seed=1)
     reference = quantizer.encode(values.astype(np.float32))
     variants = [values, values.astype(np.float64), torch.from_numpy(values), torch.from_numpy(values.astype(np.float32)),
                 torch.from_numpy(values.astype(np.float64))]
@@ -290,7 +290,7 @@ def test_memory_layout_does_not_change_codes(mode: str) -> None:
     (50, 3.5, "prod", "hadamard", 32 * 3 + 32 * 2 + 32 + 64 + 32),
 ])
 def test_bits_per_vector_and_nbytes(dim: int, bits: float, mode: str, rotation: str, expected_bits: int) -> None:
-    quantizer = TurboQuantizer(dim, bits, mode, rotation)
+    quantizer = TurboQuantizer(dim, bits, mode, rotation=rotation)
     assert quantizer.bits_per_vector == expected_bits
     codes = quantizer.encode(unit_vectors(13, dim, seed=13))
     assert codes.nbytes == 13 * expected_bits // 8
@@ -331,7 +331,7 @@ def test_encoding_is_batch_invariant(mode: str, rotation: str, rescale: bool) ->
     import tqvec.quantizer as quantizer_module
 
     dim = 96
-    quantizer = TurboQuantizer(dim, 3, mode, rotation, seed=3, rescale=rescale)
+    quantizer = TurboQuantizer(dim, 3, mode, rotation=rotation, seed=3, rescale=rescale)
     block = quantizer_module.ENCODE_BLOCK_VALUES // quantizer.rotated_dim  # rows per CPU encode step
     x = torch.from_numpy(unit_vectors(block + 1, dim, seed=4) * 3.0)
     whole = quantizer.encode(x)
@@ -385,7 +385,7 @@ def test_encoder_output_is_bit_identical_to_the_reference(dim: int, bits: float 
     x[7] = 0.0  # a zero vector
     x[8, :3] = [1e-3, -2e-3, 0]  # values that may fall on or near decision boundaries after rotation
     quantizer = (TurboQuantizer.for_bytes(dim, 3, rotation=rotation, rescale=rescale) if bits is None
-                 else TurboQuantizer(dim, bits, mode, rotation, seed=dim, rescale=rescale))
+                 else TurboQuantizer(dim, bits, mode, rotation=rotation, seed=dim, rescale=rescale))
     got, want = quantizer.encode(x), reference_encode(quantizer, x)
     for name in ("packed", "scales", "qjl", "residual_norms"):
         a, b = getattr(got, name), getattr(want, name)

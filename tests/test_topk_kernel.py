@@ -118,8 +118,8 @@ def test_search_uses_kernels_and_matches_torch_path(monkeypatch: pytest.MonkeyPa
         monkeypatch.setattr(topk, name, lambda *a, _n=name, _f=real, **kw: calls.append(_n) or _f(*a, **kw))
     got = ops.search(rotated.to(KERNEL_DEVICE), block, tq.table(KERNEL_DEVICE), 5)
     assert calls == ["row_topk", "keys_topk"]  # group selection, then the final top-k of the refined slices' best
-    monkeypatch.setattr(ops, "USE_TRITON_TOPK", False)
-    old = ops.search(rotated.to(KERNEL_DEVICE), block, tq.table(KERNEL_DEVICE), 5)
+    with ops.configured(triton_topk=False):
+        old = ops.search(rotated.to(KERNEL_DEVICE), block, tq.table(KERNEL_DEVICE), 5)
     assert torch.equal(got[0].cpu(), old[0].cpu()) and torch.equal(got[1].cpu(), old[1].cpu())
     ref = scan.search(rotated, tq.code_block(codes), tq.table("cpu"), 5)
     assert torch.allclose(got[0].cpu(), ref[0], rtol=1e-5) and torch.equal(got[1].cpu(), ref[1])
@@ -133,7 +133,7 @@ def test_select_groups_fewer_groups_than_kg() -> None:
 
 
 @pytest.mark.parametrize("k", [1, 5, 16, 20])
-def test_refined_topk_local_keys_equal_all_scores(monkeypatch: pytest.MonkeyPatch, k: int) -> None:
+def test_refined_topk_local_keys_equal_all_scores(k: int) -> None:
     """Refine keeping each slice's best k_pad(k) keys gives exactly the top-k of all refined scores (k = 20 under the
     interpreter: k_pad = 32 is not below the 32-row slices, so every score is a candidate), ragged last group included."""
     tq = TurboQuantizer(24, 3, seed=1)
@@ -146,8 +146,8 @@ def test_refined_topk_local_keys_equal_all_scores(monkeypatch: pytest.MonkeyPatc
     scores, ids = ops._refine(q, None, groups, block, table, 32)
     values, rows = ops.refined_topk(q, None, groups, block, table, 32, k)
     _check((values, rows), scores.cpu(), k, ids.cpu())
-    monkeypatch.setattr(ops, "USE_TRITON_TOPK", False)
-    torch_values, torch_rows = ops.refined_topk(q, None, groups, block, table, 32, k)
+    with ops.configured(triton_topk=False):
+        torch_values, torch_rows = ops.refined_topk(q, None, groups, block, table, 32, k)
     assert torch.equal(values.cpu(), torch_values.cpu()) and torch.equal(rows.cpu(), torch_rows.cpu())
 
 

@@ -7,19 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tqvec import TurboQuantizer
-from tqvec.validation import (
-    MAX_ID,
-    MAX_SEED,
-    MAX_SQUARED_NORM,
-    as_device,
-    as_float_matrix,
-    as_ids,
-    check_bits,
-    check_choice,
-    check_positive_int,
-    check_seed,
-)
+from tqvec import TurboQuantizer, validation
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -30,7 +18,7 @@ MODES = [("mse", "haar"), ("mse", "hadamard"), ("prod", "haar"), ("prod", "hadam
 @pytest.fixture(scope="module", params=MODES, ids=["-".join(m) for m in MODES])
 def quantizer(request: pytest.FixtureRequest) -> TurboQuantizer:
     mode, rotation = request.param
-    return TurboQuantizer(DIM, 3, mode, rotation, seed=1)
+    return TurboQuantizer(DIM, 3, mode, rotation=rotation, seed=1)
 
 
 def good(n: int = 4, dim: int = DIM) -> np.ndarray:
@@ -133,11 +121,11 @@ def test_empty_batches(quantizer: TurboQuantizer) -> None:
 
 # ---------------------------------------------------------------- helpers directly
 def test_as_float_matrix() -> None:
-    out = as_float_matrix(np.ones((2, 3), np.float16), 3)
+    out = validation.as_float_matrix(np.ones((2, 3), np.float16), 3)
     assert out.dtype == torch.float32 and tuple(out.shape) == (2, 3)
-    assert as_float_matrix(torch.ones(2, 3, dtype=torch.bfloat16), 3).dtype == torch.float32
+    assert validation.as_float_matrix(torch.ones(2, 3, dtype=torch.bfloat16), 3).dtype == torch.float32
     with pytest.raises(ValueError, match="vecs has dimension 4, expected 3"):
-        as_float_matrix(np.ones((2, 4)), 3, "vecs")
+        validation.as_float_matrix(np.ones((2, 4)), 3, "vecs")
 
 
 def test_finiteness_check_fast_path_is_exact() -> None:
@@ -147,69 +135,69 @@ def test_finiteness_check_fast_path_is_exact() -> None:
     big = np.full((4, 3), 3e38, np.float32)
     for x in (big, -big):
         with pytest.raises(ValueError, match="x row 0 has squared L2 norm"):
-            as_float_matrix(x, 3)
+            validation.as_float_matrix(x, 3)
     for bad in ([np.nan], [np.inf], [-np.inf], [np.inf, -np.inf]):
         x = np.ones((5, 3), np.float32)
         x.flat[[4, 11][: len(bad)]] = bad
         with pytest.raises(ValueError, match="NaN or Inf"):
-            as_float_matrix(x, 3)
+            validation.as_float_matrix(x, 3)
         with pytest.raises(ValueError, match="NaN or Inf"):
-            as_float_matrix(torch.from_numpy(x).double(), 3)
+            validation.as_float_matrix(torch.from_numpy(x).double(), 3)
     with pytest.raises(ValueError, match="NaN or Inf"):  # beyond float32's range
-        as_float_matrix(np.full((1, 3), 1e39), 3)
+        validation.as_float_matrix(np.full((1, 3), 1e39), 3)
     edge = np.zeros((3, 3), np.float32)
     edge[0, 0] = edge[1, 1] = -8e17  # 6.4e35 per row, but 3 · (8e17)² = 1.9e36 > MAX_SQUARED_NORM
-    assert torch.equal(as_float_matrix(edge, 3), torch.from_numpy(edge))
+    assert torch.equal(validation.as_float_matrix(edge, 3), torch.from_numpy(edge))
     edge[2] = 8e17  # 3 · 6.4e35 in one row
     with pytest.raises(ValueError, match="x row 2 has squared L2 norm 1.92e\\+36"):
-        as_float_matrix(edge, 3)
-    assert 3 * 8e17**2 > MAX_SQUARED_NORM > 8e17**2
+        validation.as_float_matrix(edge, 3)
+    assert 3 * 8e17**2 > validation.MAX_SQUARED_NORM > 8e17**2
 
 
 def test_requires_grad_is_detached() -> None:
     x = torch.ones(2, 3, requires_grad=True)
-    out = as_float_matrix(x, 3)
+    out = validation.as_float_matrix(x, 3)
     assert not out.requires_grad and out.grad_fn is None
 
 
 def test_longdouble_becomes_float32() -> None:
-    assert as_float_matrix(np.ones((2, 3), np.longdouble), 3).dtype == torch.float32
+    assert validation.as_float_matrix(np.ones((2, 3), np.longdouble), 3).dtype == torch.float32
 
 
 def test_check_helpers() -> None:
-    assert check_bits(8) == 8.0 and check_bits(2.5) == 2.5
+    assert validation.check_bits(8) == 8.0 and validation.check_bits(2.5) == 2.5
     with pytest.raises(ValueError, match="bits"):
-        check_bits(None)
-    assert check_choice("mode", "a", ["a", "b"]) == "a"
+        validation.check_bits(None)
+    assert validation.check_choice("mode", "a", ["a", "b"]) == "a"
     with pytest.raises(ValueError, match="unknown mode 'c'"):
-        check_choice("mode", "c", ["a", "b"])
-    assert check_positive_int("k", np.int32(3)) == 3
+        validation.check_choice("mode", "c", ["a", "b"])
+    assert validation.check_positive_int("k", np.int32(3)) == 3
     for bad in (0, -1, 1.5, True, "3"):
         with pytest.raises(ValueError, match="k must be a positive integer"):
-            check_positive_int("k", bad)
+            validation.check_positive_int("k", bad)
 
 
 def test_as_ids() -> None:
-    np.testing.assert_array_equal(as_ids(torch.tensor([3, 1])), [3, 1])
-    assert as_ids(7).tolist() == [7] and as_ids([]).shape == (0,)
+    np.testing.assert_array_equal(validation.as_ids(torch.tensor([3, 1])), [3, 1])
+    assert validation.as_ids(7).tolist() == [7] and validation.as_ids([]).shape == (0,)
     with pytest.raises(ValueError, match="1-D"):
-        as_ids(np.zeros((2, 2), np.int64))
+        validation.as_ids(np.zeros((2, 2), np.int64))
     with pytest.raises(ValueError, match="integers"):
-        as_ids([1.5])
+        validation.as_ids([1.5])
     with pytest.raises(ValueError, match="expected 3"):
-        as_ids([1, 2], n=3)
+        validation.as_ids([1, 2], n=3)
     for bad in ([-1], [2**63 - 1], [2**63], np.array([2**64 - 1], np.uint64), [2**80], np.array([-3], np.int16)):
         with pytest.raises(ValueError, match=r"ids must lie in \[0, 9223372036854775806\]"):
-            as_ids(bad)
-    assert as_ids(np.array([MAX_ID], np.uint64)).tolist() == [MAX_ID]
+            validation.as_ids(bad)
+    assert validation.as_ids(np.array([validation.MAX_ID], np.uint64)).tolist() == [validation.MAX_ID]
 
 
 def test_check_seed_and_device() -> None:
-    assert check_seed(0) == 0 and check_seed(np.int64(MAX_SEED)) == MAX_SEED
-    for bad in (-1, MAX_SEED + 1, 2**64, 1.0, True, "1"):
+    assert validation.check_seed(0) == 0 and validation.check_seed(np.int64(validation.MAX_SEED)) == validation.MAX_SEED
+    for bad in (-1, validation.MAX_SEED + 1, 2**64, 1.0, True, "1"):
         with pytest.raises(ValueError, match="seed must be an integer"):
-            check_seed(bad)
-    assert as_device("cpu") == torch.device("cpu")
+            validation.check_seed(bad)
+    assert validation.as_device("cpu") == torch.device("cpu")
     for bad in ("cuda:99", "nonsense", "meta"):
         with pytest.raises(ValueError, match="device"):
-            as_device(bad)
+            validation.as_device(bad)

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from . import _fastscan, scan
-from .quantizer import TurboQuantizer
-from .validation import MAX_ID, as_ids, check_array
+from .quantizer import Codes, TurboQuantizer
+from .validation import MAX_ID, as_device, as_ids, check_array, check_bits, check_choice, check_positive_int, check_seed
 
 METRICS = ("ip", "l2", "cosine")
 CORRECTIONS = ("auto", "none", "rescale", "center")
@@ -160,12 +160,50 @@ class CodedRows:
 
     dim: int
     bits: float
+    metric: str
     mode: str
+    row_bytes: int
     correction: str
     device: torch.device
     side_fields: dict[str, torch.dtype]
     quantizer: TurboQuantizer
     fine_quantizer: TurboQuantizer | None
+
+    def _set_config(self, dim: int, bits: float, metric: str, mode: str, correction: str, rotation: str, seed: int,
+                    device: str | torch.device) -> tuple[int, torch.device]:
+        """Check the settings both index types share and set ``dim``, ``bits``, ``metric``, ``mode`` and
+        ``row_bytes`` (bytes of codes per vector); returns the checked ``(seed, device)``.
+
+        Raises
+        ------
+        ValueError
+            A value out of its range or choices (``correction`` and ``rotation`` are only checked here).
+        """
+        self.dim = check_positive_int("dim", dim)
+        self.bits = check_bits(bits)
+        self.metric = check_choice("metric", metric, METRICS)
+        self.mode = check_choice("mode", mode, ("mse", "prod"))
+        check_choice("correction", correction, CORRECTIONS)
+        check_choice("rotation", rotation, ("haar", "hadamard"))
+        self.row_bytes = math.ceil(self.dim * self.bits / 8)
+        return check_seed(seed), as_device(device)
+
+    def _coded_fields(self, codes: Codes, x: torch.Tensor, bias: torch.Tensor | None,
+                      fine_input: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every stored field of encoded rows: the packed codes, the side fields as stored (``bias``, the centering
+        bias of each row, minus ½‖x‖² for L2; needed when ``side_fields`` has one), the QJL bits in ``prod`` mode
+        and the rerank code of ``fine_input`` (checked float32 rows) when there is a fine quantizer."""
+        side = {"scale": codes.scales, "residual": codes.residual_norms}
+        if "bias" in self.side_fields:
+            side["bias"] = bias - 0.5 * (x * x).sum(1) if self.metric == "l2" else bias
+        out = {"packed": codes.packed}
+        out.update({name: store_side(side[name], dtype) for name, dtype in self.side_fields.items()})
+        if self.mode == "prod":
+            out["qjl"] = codes.qjl
+        if self.fine_quantizer is not None:
+            fine = self.fine_quantizer.encode_checked(fine_input)
+            out.update(fine_packed=fine.packed, fine_scale=fine.scales)
+        return out
 
     @staticmethod
     def _side_bytes(fields: dict[str, torch.dtype]) -> int:
@@ -175,7 +213,7 @@ class CodedRows:
         """The quantizer whose packed codes (and QJL bits) fill ``code_bytes`` bytes per vector."""
         rescale = self.mode == "mse" and self.correction != "none"
         try:
-            return TurboQuantizer.for_bytes(self.dim, code_bytes, self.mode, rotation, seed, rescale)
+            return TurboQuantizer.for_bytes(self.dim, code_bytes, self.mode, rotation=rotation, seed=seed, rescale=rescale)
         except ValueError as err:
             raise ValueError(f"bits={self.bits:g}: {err} (side information {tuple(self.side_fields)} needs "
                              f"{self._side_bytes(self.side_fields)} bytes)") from err

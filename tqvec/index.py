@@ -37,7 +37,6 @@ score matrix is formed.
 """
 from __future__ import annotations
 
-import math
 import os
 import threading
 from typing import Any
@@ -48,8 +47,6 @@ import torch
 from . import _fastscan, scan, storage
 from ._file_checks import check_index_file
 from ._rows import (
-    CORRECTIONS,
-    METRICS,
     CodedRows,
     RowSnapshot,
     check_rows,
@@ -59,20 +56,16 @@ from ._rows import (
     search_results,
     side_fields_for,
     sort_ids,
-    store_side,
 )
 from ._tail import bias_code, tail_layout, tail_side
 from .packing import write_tail
 from .quantizer import Codes, TurboQuantizer
 from .rotation import rotated_dim, rowwise_matmul
 from .validation import (
-    as_device,
     as_float_matrix,
     as_ids,
     check_bits,
-    check_choice,
     check_positive_int,
-    check_seed,
 )
 
 #: "auto" centers when scale + bias take at most this share of the per-vector budget
@@ -94,27 +87,10 @@ class Index(CodedRows):
     per dimension for ``search(..., rerank=R)`` (extra bytes, reported apart); ``device`` "cpu" | "cuda".
     """
 
-    def __init__(
-        self,
-        dim: int,
-        bits: float = 4,
-        metric: str = "ip",
-        mode: str = "mse",
-        seed: int = 0,
-        rotation: str = "haar",
-        correction: str = "auto",
-        rerank_bits: float | None = None,
-        device: str | torch.device = "cpu",
-    ) -> None:
-        self.dim = check_positive_int("dim", dim)
-        self.bits = check_bits(bits)
-        self.metric = check_choice("metric", metric, METRICS)
-        self.mode = check_choice("mode", mode, ("mse", "prod"))
-        check_choice("correction", correction, CORRECTIONS)
-        check_choice("rotation", rotation, ("haar", "hadamard"))
-        seed = check_seed(seed)
-        device = as_device(device)
-        self.row_bytes = math.ceil(self.dim * self.bits / 8)
+    def __init__(self, dim: int, bits: float = 4, metric: str = "ip", *, mode: str = "mse", seed: int = 0,
+                 rotation: str = "haar", correction: str = "auto", rerank_bits: float | None = None,
+                 device: str | torch.device = "cpu") -> None:
+        seed, device = self._set_config(dim, bits, metric, mode, correction, rotation, seed, device)
         side_fits = self._side_bytes(side_fields_for(metric, mode, "center")) <= AUTO_SIDE_SHARE * self.row_bytes
         low_cosine = metric == "cosine" and self.bits < AUTO_RESCALE_MIN_BITS
         padded = low_cosine and mode == "mse" and not side_fits
@@ -132,13 +108,13 @@ class Index(CodedRows):
         self.side_fields = {} if self.tail_bits else side_fields_for(metric, mode, correction)
         self.device = torch.device(device)
         if self.tail_bits:
-            self.quantizer = TurboQuantizer(dim, 1, mode, rotation, seed, rescale=False, layout=layout)
+            self.quantizer = TurboQuantizer(dim, 1, mode, rotation=rotation, seed=seed, layout=layout)
         else:
             self.quantizer = self._budget_quantizer(self.row_bytes - self._side_bytes(self.side_fields), seed, rotation)
         self.fine_quantizer = None
         if rerank_bits is not None:
             fine_bits = check_bits(rerank_bits)
-            self.fine_quantizer = TurboQuantizer(dim, fine_bits, "mse", rotation, seed + 1, rescale=True)
+            self.fine_quantizer = TurboQuantizer(dim, fine_bits, "mse", rotation=rotation, seed=seed + 1, rescale=True)
         self._center: torch.Tensor | None = None
         self._query_prep: tuple[torch.Tensor | None, object] | None = None  # center -> the native query preparation
         self._center_pending = correction == "center"
@@ -200,21 +176,13 @@ class Index(CodedRows):
         """Per-row tensors for ``x`` (validated; already normalized for cosine)."""
         centered = x if self._center is None else x - self._center
         codes = self.quantizer.encode_checked(centered)
-        out = {"packed": codes.packed}
         if self.tail_bits:
             write_tail(codes.packed, bias_code(self._center_products(x), self._center_or_zero(), self.tail_bits),
                        self.quantizer.layout, self.tail_bits)
-        side = {"scale": codes.scales, "residual": codes.residual_norms}
+        bias = None
         if "bias" in self.side_fields:
             bias = torch.zeros(x.shape[0], device=x.device) if self._center is None else self._center_products(x)
-            side["bias"] = bias - 0.5 * (x * x).sum(1) if self.metric == "l2" else bias
-        out.update({name: store_side(side[name], dtype) for name, dtype in self.side_fields.items()})
-        if self.mode == "prod":
-            out["qjl"] = codes.qjl
-        if self.fine_quantizer is not None:
-            fine = self.fine_quantizer.encode_checked(centered)
-            out.update(fine_packed=fine.packed, fine_scale=fine.scales)
-        return out
+        return self._coded_fields(codes, x, bias, centered)
 
     def _center_products(self, x: torch.Tensor) -> torch.Tensor:
         """⟨c, x⟩ ``(n,)`` of every row, each independent of the batch it came in (:func:`rowwise_matmul`)."""
@@ -408,8 +376,8 @@ class Index(CodedRows):
             raise storage.StorageError(f"{path}: unsupported index version {version!r}")
         try:
             ids, center = check_index_file(meta, arrays, version == FILE_VERSION)
-            index = cls(meta["dim"], meta["bits"], meta["metric"], meta["mode"], meta["seed"], meta["rotation"],
-                        meta["correction"], meta["rerank_bits"], device)
+            index = cls(meta["dim"], meta["bits"], meta["metric"], device=device,
+                        **{name: meta[name] for name in ("mode", "seed", "rotation", "correction", "rerank_bits")})
             if version == 1 and index.tail_bits:
                 raise storage.StorageError(
                     f"{path}: index file version 1 stores correction='center' at this budget with float16 side "

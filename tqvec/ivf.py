@@ -37,7 +37,6 @@ writes atomically through :mod:`tqvec.storage` with kind ``"tqvec.IVFIndex"``).
 """
 from __future__ import annotations
 
-import math
 import os
 import threading
 from typing import Any
@@ -48,10 +47,10 @@ import torch
 from . import _fastscan, scan, storage
 from ._file_checks import check_ivf_file
 from ._ivf_search import search_torch
-from ._rows import CORRECTIONS, METRICS, CodedRows, ListSnapshot, check_rows, new_ids, rows_of_ids, side_fields_for, sort_ids
+from ._rows import CodedRows, ListSnapshot, check_rows, new_ids, rows_of_ids, side_fields_for, sort_ids
 from .kmeans import assign_nearest, kmeans
 from .quantizer import Codes, TurboQuantizer
-from .validation import as_device, as_float_matrix, as_ids, check_bits, check_choice, check_positive_int, check_seed
+from .validation import as_float_matrix, as_ids, check_bits, check_choice, check_positive_int
 
 ENCODINGS = ("residual", "direct")
 #: "auto" picks "center" when scale + bias take at most this share of the budget (IVF's own rule, measured:
@@ -75,32 +74,14 @@ class IVFIndex(CodedRows):
     ``device`` "cpu" | "cuda".
     """
 
-    def __init__(
-        self,
-        dim: int,
-        nlist: int,
-        bits: float = 4,
-        metric: str = "ip",
-        mode: str = "mse",
-        encoding: str = "residual",
-        seed: int = 0,
-        rotation: str = "haar",
-        correction: str = "auto",
-        rerank_bits: float | None = None,
-        nprobe: int = 1,
-        device: str | torch.device = "cpu",
-    ) -> None:
-        self.dim = check_positive_int("dim", dim)
+    def __init__(self, dim: int, nlist: int, bits: float = 4, metric: str = "ip", *, mode: str = "mse",
+                 encoding: str = "residual", seed: int = 0, rotation: str = "haar", correction: str = "auto",
+                 rerank_bits: float | None = None, nprobe: int = 1, device: str | torch.device = "cpu") -> None:
+        seed, device = self._set_config(dim, bits, metric, mode, correction, rotation, seed, device)
+        self.seed = seed
         self.nlist = check_positive_int("nlist", nlist)
-        self.bits = check_bits(bits)
-        self.metric = check_choice("metric", metric, METRICS)
-        self.mode = check_choice("mode", mode, ("mse", "prod"))
         self.encoding = check_choice("encoding", encoding, ENCODINGS)
-        check_choice("correction", correction, CORRECTIONS)
         self.nprobe = check_positive_int("nprobe", nprobe)
-        self.seed = seed = check_seed(seed)
-        device = as_device(device)
-        self.row_bytes = math.ceil(self.dim * self.bits / 8)
         if correction == "auto":
             side = self._side_bytes(self._side_fields("center"))
             if side <= AUTO_SIDE_SHARE * self.row_bytes:
@@ -114,7 +95,8 @@ class IVFIndex(CodedRows):
         self.quantizer = self._budget_quantizer(code_bytes, self.seed, rotation)
         self.fine_quantizer = None
         if rerank_bits is not None:
-            self.fine_quantizer = TurboQuantizer(dim, check_bits(rerank_bits), "mse", rotation, seed + 1, rescale=True)
+            self.fine_quantizer = TurboQuantizer(dim, check_bits(rerank_bits), "mse", rotation=rotation, seed=seed + 1,
+                                                 rescale=True)
         self.centroids: torch.Tensor | None = None  # (nlist, dim) float32
         self._query_prep: tuple[tuple, object] | None = None  # (centroids, center) -> the native query preparation
         self._center: torch.Tensor | None = None
@@ -218,21 +200,13 @@ class IVFIndex(CodedRows):
         """Row tensors for ``x`` (already normalized for cosine) assigned to ``lists``."""
         base = self._bases(lists)
         u = x if base is None else x - base
-        codes = self.quantizer.encode(u)
-        out = {"packed": codes.packed}
-        side = {"scale": codes.scales, "residual": codes.residual_norms}
+        codes = self.quantizer.encode_checked(u)
+        bias = None
         if "bias" in self.side_fields:
             bias = torch.zeros(x.shape[0], device=x.device)
             if self.correction == "center" and base is not None:
                 bias = (base * (u - self.quantizer.decode(codes))).sum(1)
-            side["bias"] = bias - 0.5 * (x * x).sum(1) if self.metric == "l2" else bias
-        out.update({name: side[name].to(dtype) for name, dtype in self.side_fields.items()})
-        if self.mode == "prod":
-            out["qjl"] = codes.qjl
-        if self.fine_quantizer is not None:
-            fine = self.fine_quantizer.encode(u)
-            out.update(fine_packed=fine.packed, fine_scale=fine.scales)
-        return out
+        return self._coded_fields(codes, x, bias, u)
 
     def _append(self, new: dict[str, torch.Tensor], ids: np.ndarray, lists: torch.Tensor) -> None:
         n, m = self._snap.size, len(ids)
@@ -417,8 +391,9 @@ class IVFIndex(CodedRows):
             raise storage.StorageError(f"{path}: unsupported index version {meta.get('version')!r}")
         try:
             ids, lists, centroids, center = check_ivf_file(meta, arrays)
-            index = cls(meta["dim"], meta["nlist"], meta["bits"], meta["metric"], meta["mode"], meta["encoding"],
-                        meta["seed"], meta["rotation"], meta["correction"], meta["rerank_bits"], meta["nprobe"], device)
+            index = cls(meta["dim"], meta["nlist"], meta["bits"], meta["metric"], device=device,
+                        **{name: meta[name] for name in ("mode", "encoding", "seed", "rotation", "correction", "rerank_bits",
+                                                         "nprobe")})
             arrays = {name: a for name, a in arrays.items() if name not in ("ids", "lists", "centroids", "center")}
             tensors = index._loaded_tensors(arrays, ids, center, device)
         except (KeyError, TypeError, ValueError) as err:

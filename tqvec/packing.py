@@ -30,6 +30,7 @@ Everything that reads or writes codes goes through :class:`Layout`, :func:`pack`
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -78,13 +79,18 @@ class Layout:
 
     def segment_table(self) -> list[tuple[int, int, int, int]]:
         """Rows ``(first_channel, dim, bits, first_byte)`` per non-empty segment, for kernels."""
-        table, channel, byte = [], 0, 0
-        for (dim, bits), nbytes in zip(self.segments, self.segment_bytes):
-            if dim and bits:
-                table.append((channel, dim, bits, byte))
-            channel += dim
-            byte += nbytes
-        return table
+        return [(channels.start, dim, bits, row_bytes.start) for channels, row_bytes, dim, bits, _ in _walk(self)]
+
+
+def _walk(layout: Layout) -> Iterator[tuple[slice, slice, int, int, int]]:
+    """``(channels, row_bytes, dim, bits, nbytes)`` of each segment of ``layout`` that holds bytes, in row order:
+    ``channels`` and ``row_bytes`` are the slices of the row's channels and of its packed bytes it covers."""
+    channel, byte = 0, 0
+    for (dim, bits), nbytes in zip(layout.segments, layout.segment_bytes):
+        if nbytes:
+            yield slice(channel, channel + dim), slice(byte, byte + nbytes), dim, bits, nbytes
+        channel += dim
+        byte += nbytes
 
 
 def split_channels(dim: int, bits: float) -> Layout:
@@ -162,12 +168,8 @@ def pack(indices: torch.Tensor, layout: Layout) -> torch.Tensor:
         raise ValueError(f"indices must be (n, {layout.dim}), got {tuple(indices.shape)}")
     n = indices.shape[0]
     out = torch.empty(n, layout.row_bytes, dtype=torch.uint8, device=indices.device)
-    channel, byte = 0, 0
-    for (dim, bits), nbytes in zip(layout.segments, layout.segment_bytes):
-        if nbytes:
-            _pack_segment(indices[:, channel:channel + dim], bits, nbytes, out[:, byte:byte + nbytes])
-        channel += dim
-        byte += nbytes
+    for channels, row_bytes, _, bits, nbytes in _walk(layout):
+        _pack_segment(indices[:, channels], bits, nbytes, out[:, row_bytes])
     return out
 
 
@@ -177,12 +179,8 @@ def unpack(packed: torch.Tensor, layout: Layout) -> torch.Tensor:
         raise ValueError(f"packed must be uint8 (n, {layout.row_bytes}), got {packed.dtype} {tuple(packed.shape)}")
     n = packed.shape[0]
     out = torch.zeros(n, layout.dim, dtype=torch.int64, device=packed.device)
-    channel, byte = 0, 0
-    for (dim, bits), nbytes in zip(layout.segments, layout.segment_bytes):
-        if nbytes:
-            _unpack_segment(packed[:, byte:byte + nbytes].to(torch.int64), dim, bits, out[:, channel:channel + dim])
-        channel += dim
-        byte += nbytes
+    for channels, row_bytes, dim, bits, _ in _walk(layout):
+        _unpack_segment(packed[:, row_bytes].to(torch.int64), dim, bits, out[:, channels])
     return out
 
 

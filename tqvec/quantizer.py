@@ -155,22 +155,13 @@ class TurboQuantizer:
     """TurboQuant for ``dim``-dimensional vectors at ``bits`` bits per coordinate (1–8, fractional allowed).
 
     ``rotation="haar"`` (dense, O(d²)) or ``"hadamard"`` (fast, pads to a power of two D ≥ dim).
-    ``layout`` (keyword only) overrides the channel split of the ``mse`` part derived from ``bits``; it may
+    ``layout`` overrides the channel split of the ``mse`` part derived from ``bits``; it may
     give channels 0 bits (they decode to 0), which lets budget-driven callers such as
     :class:`~tqvec.index.Index` spend an exact number of bytes; ``bits`` then reports the realised rate.
     """
 
-    def __init__(
-        self,
-        dim: int,
-        bits: float = 4,
-        mode: str = "mse",
-        rotation: str = "haar",
-        seed: int = 0,
-        rescale: bool = False,
-        *,
-        layout: Layout | None = None,
-    ) -> None:
+    def __init__(self, dim: int, bits: float = 4, mode: str = "mse", *, rotation: str = "haar", seed: int = 0,
+                 rescale: bool = False, layout: Layout | None = None) -> None:
         self.dim = check_positive_int("dim", dim)
         if self.dim < 2:
             raise ValueError(f"dim must be at least 2, got {dim}")
@@ -203,7 +194,7 @@ class TurboQuantizer:
         self._qjl: dict[torch.device, torch.Tensor] = {}
 
     @classmethod
-    def for_bytes(cls, dim: int, code_bytes: int, mode: str = "mse", rotation: str = "haar", seed: int = 0,
+    def for_bytes(cls, dim: int, code_bytes: int, mode: str = "mse", *, rotation: str = "haar", seed: int = 0,
                   rescale: bool = False) -> "TurboQuantizer":
         """The quantizer whose packed codes (and, in ``prod`` mode, QJL bits) fill at most ``code_bytes`` bytes
         per vector, bits spread as evenly as possible over the rotated channels."""
@@ -211,7 +202,7 @@ class TurboQuantizer:
         mse_bytes = code_bytes - (math.ceil(channels / 8) if mode == "prod" else 0)
         if mse_bytes < 0 or (mode == "mse" and mse_bytes == 0):
             raise ValueError(f"{code_bytes} bytes per vector leaves no room for codes at dim={dim} in {mode!r} mode")
-        return cls(dim, 1, mode, rotation, seed, rescale, layout=layout_for_bytes(channels, mse_bytes))
+        return cls(dim, 1, mode, rotation=rotation, seed=seed, rescale=rescale, layout=layout_for_bytes(channels, mse_bytes))
 
     def __repr__(self) -> str:
         return (f"TurboQuantizer(dim={self.dim}, bits={self.bits:.4g}, mode={self.mode!r}, "

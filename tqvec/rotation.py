@@ -60,6 +60,21 @@ def gaussian_matrix(rows: int, cols: int, seed: int) -> torch.Tensor:
     return torch.randn(rows, cols, generator=_generator(seed), dtype=torch.float64).to(torch.float32)
 
 
+class _PerDevice:
+    """A float64 CPU tensor served as float32 on any device, converted once per device and cached."""
+
+    def __init__(self, source: torch.Tensor) -> None:
+        self.source = source
+        self._copies: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The source as float32 on ``device``."""
+        device = torch.device(device)
+        if device not in self._copies:
+            self._copies[device] = self.source.to(device=device, dtype=torch.float32)
+        return self._copies[device]
+
+
 def fast_walsh_hadamard(x: torch.Tensor) -> torch.Tensor:
     """Unnormalized Walsh–Hadamard transform along the last axis (length a power of two)."""
     n = x.shape[-1]
@@ -81,15 +96,11 @@ class HaarRotation:
 
     def __init__(self, dim: int, seed: int) -> None:
         self.dim = self.out_dim = dim
-        self._matrix64 = haar_matrix(dim, seed)
-        self._matrices: dict[torch.device, torch.Tensor] = {}
+        self._matrix = _PerDevice(haar_matrix(dim, seed))
 
     def matrix(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Π as float32 on ``device`` (cached per device)."""
-        device = torch.device(device)
-        if device not in self._matrices:
-            self._matrices[device] = self._matrix64.to(device=device, dtype=torch.float32)
-        return self._matrices[device]
+        return self._matrix.get(device)
 
     def forward(self, x: torch.Tensor, rowwise: bool = True) -> torch.Tensor:
         """``(n, dim)`` float32 → rotated ``(n, dim)``; ``rowwise=False`` allows a faster, batch-dependent product
@@ -109,14 +120,12 @@ class HadamardRotation:
     def __init__(self, dim: int, seed: int) -> None:
         self.dim = dim
         self.out_dim = rotated_dim("hadamard", dim)
-        self._signs64 = torch.randint(0, 2, (self.out_dim,), generator=_generator(seed), dtype=torch.float64) * 2 - 1
-        self._signs: dict[torch.device, torch.Tensor] = {}
+        signs = torch.randint(0, 2, (self.out_dim,), generator=_generator(seed), dtype=torch.float64) * 2 - 1
+        self._signs = _PerDevice(signs)
 
     def signs(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        device = torch.device(device)
-        if device not in self._signs:
-            self._signs[device] = self._signs64.to(device=device, dtype=torch.float32)
-        return self._signs[device]
+        """The random ±1 signs D ``(out_dim,)`` as float32 on ``device`` (cached per device)."""
+        return self._signs.get(device)
 
     def forward(self, x: torch.Tensor, rowwise: bool = True) -> torch.Tensor:
         """``(n, dim)`` float32 → rotated ``(n, out_dim)`` (elementwise: batch-invariant whatever ``rowwise``)."""

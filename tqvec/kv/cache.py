@@ -273,7 +273,7 @@ class TurboQuantCache(Cache):
     and lowered the KL at 3–4 bits. Values keep the plain ``mse`` scale, the least-squares reconstruction.
     """
 
-    def __init__(self, config, key_bits: float = 4, value_bits: float = 4, key_mode: str = "mse",
+    def __init__(self, config, key_bits: float = 4, value_bits: float = 4, *, key_mode: str = "mse",
                  window: int = 128, sinks: int = 4, key_rescale: bool | None = None, value_rescale: bool = False,
                  split: str = "outlier", seed: int = 0, compress_chunk: int = 16) -> None:
         text = checks.text_config(config)

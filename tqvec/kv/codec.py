@@ -52,7 +52,7 @@ class HeadCodec:
             make = [(0, head_dim, bits)]
         else:
             make = [(0, n_high, low + 1), (n_high, head_dim, low)]
-        self.groups = [Group(a, b, TurboQuantizer(b - a, g_bits, mode, "haar", seed + i, rescale))
+        self.groups = [Group(a, b, TurboQuantizer(b - a, g_bits, mode, seed=seed + i, rescale=rescale))
                        for i, (a, b, g_bits) in enumerate(make)]
 
     @property
