@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from ._rows import ListSnapshot
     from .ivf import IVFIndex
 
+#: coarse scores (queries × lists) made and sorted at once while probing (buffers allocated once per search:
+#: allocating them per block of queries fragmented the heap, +200 MiB of RSS at nq = 10k, nlist 8192)
+PROBE_BLOCK_SCORES = 1 << 20
 #: the one-query-at-a-time strategy is used while ``nq · GATHER_RATIO ≤`` the number of distinct probed lists
 GATHER_RATIO = 4
 
@@ -29,24 +32,16 @@ def search_torch(index: IVFIndex, q: torch.Tensor, k: int, nprobe: int,
     per query, or list by list for many queries)."""
     if index.metric == "cosine":
         q = torch.nn.functional.normalize(q, dim=1)
-    snap, centroids, center = index._snap, index.centroids, index._center
+    snap, centroids = index._snap, index.centroids
     nq, depth = q.shape[0], min(k * (rerank or 1), max(1, snap.size))  # never more work than ntotal
     if snap.size == 0 or centroids is None:
         values = torch.full((nq, k), float("-inf"), device=q.device)
         return search_results(index.metric, q, values, torch.full((nq, k), -1, dtype=torch.int64, device=q.device), snap.ids)
-    nprobe = min(nprobe, index.nlist)
-    qc = q @ centroids.T  # (nq, nlist)
-    closeness = qc if index.metric == "ip" else qc - 0.5 * (centroids * centroids).sum(1)
-    # ties go to the lower list number, as in the native kernel
-    probe = torch.sort(closeness, dim=1, descending=True, stable=True).indices[:, :nprobe]
-    if index.encoding == "residual":
-        constant = qc
-    else:  # one base for every list
-        constant = (torch.zeros(nq, 1, device=q.device) if center is None else (q @ center)[:, None]).expand(-1, index.nlist)
+    probe, constant = probe_lists(index, q, min(nprobe, index.nlist))
     rotated, projected = index.quantizer.rotate_checked(q)
     whole = index._scan_block(snap)
     if scan.native_serves(rotated, whole, index.quantizer.table(index.device)):
-        probes = _fastscan.Probes(probe.cpu().numpy(), constant.gather(1, probe).cpu().numpy())
+        probes = _fastscan.Probes(probe.cpu().numpy(), constant.cpu().numpy())
         values, rows = scan.search_lists(rotated, whole, index.quantizer.table(index.device), depth, snap.list_table, probes)
     elif nq == 1 or nq * GATHER_RATIO <= len(torch.unique(probe)):
         values, rows = search_gather(index, snap, rotated, projected, probe, constant, depth)
@@ -57,14 +52,42 @@ def search_torch(index: IVFIndex, q: torch.Tensor, k: int, nprobe: int,
     return search_results(index.metric, q, values, rows, snap.ids, k=k)
 
 
+def probe_lists(index: IVFIndex, q: torch.Tensor, nprobe: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's ``nprobe`` closest lists, ``(nq, nprobe)`` int64 (ties to the lower list, as in the native
+    kernel), and the constant each adds to the scores of its rows, ``(nq, nprobe)`` float32 (⟨q, centroid⟩ for
+    residual codes, else ⟨q, center⟩ or 0). Coarse scores are made and sorted for blocks of queries in buffers
+    of :data:`PROBE_BLOCK_SCORES` entries allocated once, never ``nq × nlist`` at once."""
+    centroids, center, nq = index.centroids, index._center, q.shape[0]
+    half_norms = None if index.metric == "ip" else 0.5 * (centroids * centroids).sum(1)
+    rows = max(1, min(nq, PROBE_BLOCK_SCORES // index.nlist))
+    scores, closeness = (torch.empty(rows, index.nlist, device=q.device) for _ in range(2))
+    ordered = (torch.empty(rows, index.nlist, device=q.device),
+               torch.empty(rows, index.nlist, dtype=torch.int64, device=q.device))
+    probe = torch.empty(nq, nprobe, dtype=torch.int64, device=q.device)
+    constant = torch.zeros(nq, nprobe, device=q.device)
+    for start in range(0, nq, rows):
+        m = min(rows, nq - start)
+        coarse = torch.matmul(q[start:start + m], centroids.T, out=scores[:m])
+        close = coarse if half_norms is None else torch.sub(coarse, half_norms, out=closeness[:m])
+        torch.sort(close, dim=1, descending=True, stable=True, out=(ordered[0][:m], ordered[1][:m]))
+        probe[start:start + m] = ordered[1][:m, :nprobe]
+        if index.encoding == "residual":
+            torch.gather(coarse, 1, probe[start:start + m], out=constant[start:start + m])
+        elif center is not None:
+            constant[start:start + m] = (q[start:start + m] @ center)[:, None]
+    return probe, constant
+
+
 def block(index: IVFIndex, t: dict[str, torch.Tensor], extra_bias: torch.Tensor) -> scan.CodeBlock:
     """The scan's view of gathered rows ``t``, with ``extra_bias`` ``(n,)`` added to the stored bias."""
     bias = extra_bias if "bias" not in t else t["bias"].float() + extra_bias
     return index.quantizer.code_block(index._codes(t), bias)
 
+
 def search_gather(index: IVFIndex, snap: ListSnapshot, rotated: torch.Tensor, projected: torch.Tensor | None,
                    probe: torch.Tensor, constant: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per query: gather the probed lists' rows and scan them at once. Returns (values, rows) ``(nq, depth)``."""
+    """Per query: gather the probed lists' rows and scan them at once (``constant``: :func:`probe_lists`'s, one per
+    probe). Returns (values, rows) ``(nq, depth)``."""
     nq = rotated.shape[0]
     values = torch.full((nq, depth), float("-inf"), device=rotated.device)
     rows = torch.full((nq, depth), -1, dtype=torch.int64, device=rotated.device)
@@ -77,16 +100,18 @@ def search_gather(index: IVFIndex, snap: ListSnapshot, rotated: torch.Tensor, pr
         if not len(members):
             continue
         t = {name: tensor.index_select(0, members) for name, tensor in snap.tensors.items() if not name.startswith("fine")}
-        extra = torch.repeat_interleave(constant[i, probe[i]], sizes)
+        extra = torch.repeat_interleave(constant[i], sizes)
         v, r = scan.search(rotated[i:i + 1], block(index, t, extra), table, depth,
                            None if projected is None else projected[i:i + 1])
         values[i], rows[i] = v[0], torch.where(r[0] >= 0, members[r[0].clamp_min(0)].long(), -1)
     return values, rows
 
+
 def search_lists(index: IVFIndex, snap: ListSnapshot, rotated: torch.Tensor, projected: torch.Tensor | None,
                   probe: torch.Tensor, constant: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
     """List by list: every probed list is scanned once for all its queries, its results merged at once into
-    each query's running top-``depth`` (memory ``nq × depth``, not ``nq × nprobe × depth``)."""
+    each query's running top-``depth`` (memory ``nq × depth``, not ``nq × nprobe × depth``; ``constant``: one per
+    probe, as :func:`probe_lists` gives)."""
     nq, nprobe = probe.shape
     table = index.quantizer.table(index.device)
     best_v = torch.full((nq, depth), float("-inf"), device=rotated.device)
@@ -107,11 +132,12 @@ def search_lists(index: IVFIndex, snap: ListSnapshot, rotated: torch.Tensor, pro
         t = {name: tensor.index_select(0, members) for name, tensor in snap.tensors.items() if not name.startswith("fine")}
         bias = torch.zeros(len(members), device=rotated.device)
         v, r = scan.search(rotated[qi], block(index, t, bias), table, depth, None if projected is None else projected[qi])
-        merged_v = torch.cat([best_v[qi], v + constant[qi, l][:, None]], dim=1)
+        merged_v = torch.cat([best_v[qi], v + constant.flatten()[pairs][:, None]], dim=1)
         merged_r = torch.cat([best_r[qi], torch.where(r >= 0, members[r.clamp_min(0)].long(), -1)], dim=1)
         top, pos = torch.topk(merged_v, depth, dim=1)
         best_v[qi], best_r[qi] = top, torch.gather(merged_r, 1, pos)
     return best_v, best_r.masked_fill(best_v == float("-inf"), -1)
+
 
 def rerank_rows(index: IVFIndex, q: torch.Tensor, snap: ListSnapshot, rows: torch.Tensor,
                 k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,6 +152,7 @@ def rerank_rows(index: IVFIndex, q: torch.Tensor, snap: ListSnapshot, rows: torc
     values = values.masked_fill(rows < 0, float("-inf"))
     top, pos = torch.topk(values, k, dim=1)
     return top, torch.gather(rows, 1, pos).masked_fill(top == float("-inf"), -1)
+
 
 def row_lists_of(index: IVFIndex, snap: ListSnapshot, rows: torch.Tensor) -> torch.Tensor:
     """The list of each of ``rows`` (only needed for residual bases)."""
