@@ -79,12 +79,36 @@ FILE_VERSION = 2
 
 
 class Index(CodedRows):
-    """Flat TurboQuant index (module docstring: budget, scoring, concurrency).
+    """Flat TurboQuant index with FAISS conventions (module docstring: budget, scoring, concurrency).
 
-    ``dim``; ``bits`` per-dimension storage budget (≥ 1, fractional allowed); ``metric`` "ip" | "l2" |
-    "cosine"; ``mode`` "mse" | "prod"; ``seed``; ``rotation`` "haar" | "hadamard"; ``correction``
-    "auto" | "none" | "rescale" | "center"; ``rerank_bits``: also keep a finer code at that many bits
-    per dimension for ``search(..., rerank=R)`` (extra bytes, reported apart); ``device`` "cpu" | "cuda".
+    Parameters
+    ----------
+    dim : int
+        Vector dimension.
+    bits : float
+        Storage budget per dimension, everything counted but the id (≥ 1, fractional allowed).
+    metric : {"ip", "l2", "cosine"}
+    mode, seed, rotation, correction : keyword-only
+        ``"mse"`` | ``"prod"``; rotation seed; ``"haar"`` | ``"hadamard"``; ``"auto"`` | ``"none"`` |
+        ``"rescale"`` | ``"center"`` (module docstring).
+    rerank_bits : float, optional
+        Also keep a finer code at that many bits per dimension for ``search(..., rerank=R)`` (extra bytes).
+    device : {"cpu", "cuda"}
+
+    Raises
+    ------
+    ValueError, TypeError
+        An argument out of its range or choices, named in the message.
+
+    Examples
+    --------
+    >>> import numpy as np, tqvec
+    >>> x = np.random.default_rng(0).standard_normal((1000, 32)).astype(np.float32)
+    >>> index = tqvec.Index(32, bits=4, metric="l2")
+    >>> ids = index.add(x)
+    >>> D, I = index.search(x[:2], k=3)
+    >>> I[:, 0].tolist(), D.shape, index.code_bytes_per_vector  # 32 dims × 4 bits
+    ([0, 1], (2, 3), 16)
     """
 
     def __init__(self, dim: int, bits: float = 4, metric: str = "ip", *, mode: str = "mse", seed: int = 0,

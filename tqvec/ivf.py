@@ -67,11 +67,39 @@ MIN_POINTS_PER_LIST = 39
 class IVFIndex(CodedRows):
     """Inverted-file TurboQuant index (module docstring: partition, encoding, budget, search).
 
-    ``dim``; ``nlist`` lists; ``bits`` per-dimension storage budget as for ``Index``; ``metric`` "ip" | "l2"
-    | "cosine"; ``mode`` "mse" | "prod" (the quantizer's); ``encoding`` "residual" | "direct"; ``seed``;
-    ``rotation`` "haar" | "hadamard"; ``correction`` "auto" | "none" | "rescale" | "center"; ``rerank_bits``:
-    a finer code for ``search(..., rerank=R)`` (extra bytes); ``nprobe`` the default lists probed;
-    ``device`` "cpu" | "cuda".
+    Parameters
+    ----------
+    dim : int
+        Vector dimension.
+    nlist : int
+        Number of k-means lists.
+    bits : float
+        Storage budget per dimension, as for :class:`~tqvec.index.Index`.
+    metric : {"ip", "l2", "cosine"}
+    mode, encoding, seed, rotation, correction : keyword-only
+        ``"mse"`` | ``"prod"``; ``"residual"`` (codes of ``x − centroid``) | ``"direct"``; rotation seed;
+        ``"haar"`` | ``"hadamard"``; ``"auto"`` | ``"none"`` | ``"rescale"`` | ``"center"``.
+    rerank_bits : float, optional
+        A finer code for ``search(..., rerank=R)`` (extra bytes).
+    nprobe : int
+        Lists probed by default (``search(..., nprobe=)`` overrides).
+    device : {"cpu", "cuda"}
+
+    Raises
+    ------
+    ValueError, TypeError
+        An argument out of its range or choices, named in the message.
+
+    Examples
+    --------
+    >>> import numpy as np, tqvec
+    >>> x = np.random.default_rng(0).standard_normal((2000, 32)).astype(np.float32)
+    >>> index = tqvec.IVFIndex(32, nlist=16, bits=4, metric="l2", nprobe=4)
+    >>> index.train(x)
+    >>> ids = index.add(x)
+    >>> D, I = index.search(x[:2], k=3)
+    >>> I[:, 0].tolist(), D.shape
+    ([0, 1], (2, 3))
     """
 
     def __init__(self, dim: int, nlist: int, bits: float = 4, metric: str = "ip", *, mode: str = "mse",
