@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "attention.h"
 #include "fastscan.h"
 #include "queries.h"
 
@@ -255,10 +256,54 @@ nb::tuple search_queries(const PlanHandle& plan, const RowsHandle& source, const
   return nb::make_tuple(out_distances, out_labels, kernel);
 }
 
+// One decode step of attention over coded tokens (see attention.h). keys / values: (heads, capacity, row_bytes)
+// codes of which tokens [0, n) are read; key_scale / value_scale: (heads, >= n); queries: (heads, group, key_dim)
+// rotated and scaled; valid: (heads / heads_per_batch, n) uint8 or empty. Returns (max, sum) (heads, group) and acc
+// (heads * group, value_dim), float32.
+nb::tuple decode_attention(const PlanHandle& key_plan, Array<uint8_t, nb::ndim<3>> keys, Array<float, nb::ndim<2>> key_scale,
+                           const PlanHandle& value_plan, Array<uint8_t, nb::ndim<3>> values,
+                           Array<float, nb::ndim<2>> value_scale, Array<float, nb::ndim<3>> queries, int64_t value_dim,
+                           int64_t n, Array<uint8_t> valid, int64_t heads_per_batch, int threads) {
+  const int64_t heads = static_cast<int64_t>(queries.shape(0)), group = static_cast<int64_t>(queries.shape(1));
+  const int64_t key_dim = static_cast<int64_t>(queries.shape(2));
+  require(n >= 0 && heads_per_batch >= 1 && heads % heads_per_batch == 0, "bad token count or heads per batch");
+  for (const auto* codes : {&keys, &values})
+    require(static_cast<int64_t>(codes->shape(0)) == heads && static_cast<int64_t>(codes->shape(1)) >= n,
+            "codes must be (heads, >= n, row_bytes)");
+  for (const auto* scale : {&key_scale, &value_scale})
+    require(static_cast<int64_t>(scale->shape(0)) == heads && static_cast<int64_t>(scale->shape(1)) >= n,
+            "scales must be (heads, >= n)");
+  require(static_cast<int64_t>(keys.shape(2)) > key_plan.last_byte() &&
+              static_cast<int64_t>(values.shape(2)) > value_plan.last_byte(), "rows are shorter than their plan reads");
+  require(key_dim > key_plan.last_channel() && value_dim > value_plan.last_channel(), "fewer channels than the plans read");
+  require(valid.size() == 0 || static_cast<int64_t>(valid.size()) == heads / heads_per_batch * n,
+          "valid must be (batches, n)");
+  auto* max = new float[static_cast<size_t>(heads * group)];
+  auto* sum = new float[static_cast<size_t>(heads * group)];
+  auto* acc = new float[static_cast<size_t>(heads * group * value_dim)];
+  auto out_max = owned(max, heads, group);
+  auto out_sum = owned(sum, heads, group);
+  auto out_acc = owned(acc, heads * group, value_dim);
+  const tqvec::DecodeArgs args{
+      {key_plan.view(), keys.data(), static_cast<int64_t>(keys.shape(2)), static_cast<int64_t>(keys.shape(1) * keys.shape(2)),
+       key_scale.data(), static_cast<int64_t>(key_scale.shape(1))},
+      {value_plan.view(), values.data(), static_cast<int64_t>(values.shape(2)),
+       static_cast<int64_t>(values.shape(1) * values.shape(2)), value_scale.data(), static_cast<int64_t>(value_scale.shape(1))},
+      queries.data(), heads, group, key_dim, value_dim, n, optional_data(valid), heads_per_batch, threads, max, sum, acc};
+  {
+    nb::gil_scoped_release release;
+    tqvec::decode_attention(args);
+  }
+  return nb::make_tuple(out_max, out_sum, out_acc);
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
   m.doc() = "Fast-scan top-k search over packed TurboQuant codes (see tqvec/_fastscan.py).";
+  // Plans live in the code tables of quantizers, which module-level caches (KV codecs, kernels) may hold until the
+  // interpreter exits: they are still referenced then, not leaked, and nanobind's exit report would say otherwise.
+  nb::set_leak_warnings(false);
   nb::class_<PlanHandle>(m, "Plan", "The checked steps that read one packed layout.")
       .def(nb::init<Array<int32_t, nb::ndim<1>>, Array<int32_t, nb::ndim<1>>, Array<int32_t, nb::ndim<1>>,
                     Array<int32_t, nb::ndim<2>>, Array<int32_t, nb::ndim<1>>, Array<float, nb::ndim<1>>>(),
@@ -275,6 +320,9 @@ NB_MODULE(_native, m) {
            nb::arg("half_squared"), nb::arg("residual"), nb::arg("base"));
   m.def("search_queries", &search_queries, nb::arg("plan"), nb::arg("rows"), nb::arg("prep"), nb::arg("queries"),
         nb::arg("ids"), nb::arg("l2"), nb::arg("n_probe"), nb::arg("k"), nb::arg("rescore"), nb::arg("threads"), nb::arg("max_isa"));
+  m.def("decode_attention", &decode_attention, nb::arg("key_plan"), nb::arg("keys"), nb::arg("key_scale"),
+        nb::arg("value_plan"), nb::arg("values"), nb::arg("value_scale"), nb::arg("queries"), nb::arg("value_dim"),
+        nb::arg("n"), nb::arg("valid"), nb::arg("heads_per_batch"), nb::arg("threads"));
   m.def("has_avx2", &tqvec::has_avx2, "True when this CPU runs the AVX2 kernel.");
   m.def("has_avx512", &tqvec::has_avx512, "True when this CPU runs the AVX-512 kernel.");
 }

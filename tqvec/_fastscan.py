@@ -10,6 +10,9 @@ one unless the table rounding moved a row across the ``rescore``-th place (:func
 cost a shuffle each, 4-bit codes half of one). Wider codes, or a CPU without AVX2, take the exact kernel:
 float tables for every row. QJL signs (``mode="prod"``) are not served: the torch path runs.
 
+:func:`decode_attention` runs one decode step of attention over coded KV-cache tokens (``csrc/attention.cpp``) for
+:func:`tqvec.scan.attend` on the CPU.
+
 Which kernel runs: :func:`set_cpu_kernel` (``"auto"``, ``"native"``, ``"torch"``; default from the environment
 variable ``TQVEC_CPU_KERNEL``, else ``"auto"``). Threads: ``torch.get_num_threads()`` at call time.
 """
@@ -241,3 +244,38 @@ def search_queries(queries: np.ndarray, source: _native.Rows, steps: Plan, prep:
                                                   ids, l2, int(nprobe), int(k), rescore_count(k),
                                                   max(1, torch.get_num_threads()), MAX_ISA)
     return distances, labels
+
+
+def decode_attention(queries: torch.Tensor, keys: torch.Tensor, key_scale: torch.Tensor, key_steps: Plan,
+                     values: torch.Tensor, value_scale: torch.Tensor, value_steps: Plan, value_dim: int, n: int,
+                     valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The online-softmax state of one decode step over coded tokens, natively (exact float tables).
+
+    Parameters
+    ----------
+    queries : (b, h, G, D) float32
+        Rotated like the keys and scaled by the softmax scaling.
+    keys, values : (b, h, capacity, row_bytes) uint8
+        Codes read by ``key_steps`` / ``value_steps``; tokens ``[0, n)`` are read.
+    key_scale, value_scale : (b, h, ≥ n)
+        Per-token multipliers.
+    value_dim : int
+        Channels of the values' rotated space.
+    valid : (b, n) bool, optional
+        False masks a coded token out.
+
+    Returns
+    -------
+    (max, sum, acc)
+        ``(b, h, G)`` largest logit (−inf where none is valid), ``(b, h, G)`` Σ exp(logit − max) and ``(b, h, G,
+        value_dim)`` the exp-weighted sum of scale · levels of the values, float32.
+    """
+    b, h, group, _ = queries.shape
+    heads = lambda t: _array(t.reshape(b * h, *t.shape[2:]), np.uint8 if t.dtype == torch.uint8 else np.float32)  # noqa: E731
+    no_mask = _NONE[np.dtype(np.float32)].view(np.uint8)
+    m, total, acc = _native.decode_attention(
+        key_steps.handle, heads(keys), heads(key_scale[:, :, :n].float()), value_steps.handle, heads(values),
+        heads(value_scale[:, :, :n].float()), _array(queries.reshape(b * h, group, -1), np.float32), value_dim, n,
+        no_mask if valid is None else _array(valid.to(torch.uint8), np.uint8), h, torch.get_num_threads())
+    as_tensor = lambda x, *shape: torch.from_numpy(x).view(*shape)  # noqa: E731
+    return as_tensor(m, b, h, group), as_tensor(total, b, h, group), as_tensor(acc, b, h, group, value_dim)

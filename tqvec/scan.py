@@ -304,25 +304,40 @@ def _softmax_merge(state: tuple[torch.Tensor, ...], logits: torch.Tensor, values
     return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + p @ values
 
 
-def _attend_torch(a: DecodeAttention) -> torch.Tensor:
-    """CPU reference of :func:`attend`: blocks of ``BLOCK_ROWS`` code rows over all heads, online softmax."""
-    q = a.queries.float() * a.scaling
-    b, h, G, dh = q.shape
-    q_rot = q @ a.key_rotation
-    valid = a.valid
-    n_sinks, n = a.sink_keys.shape[2], a.n_codes
-    state = (q.new_full((b, h, G), float("-inf")), q.new_zeros((b, h, G)), q.new_zeros((b, h, G, a.keys.table.layout.dim)))
+def _coded_state(a: DecodeAttention, q_rot: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """The online-softmax state ``(max, sum, acc)`` of the rotated, scaled queries ``q_rot`` ``(b, h, G, D)`` over the
+    coded tokens (``valid`` ``(b, n_codes)`` or None): the native kernel where it is built and not switched off
+    (:func:`tqvec._fastscan.set_cpu_kernel`), else torch in blocks of ``BLOCK_ROWS`` code rows over all heads."""
+    if _fastscan.available() and _fastscan.cpu_kernel() != "torch" and a.n_codes:
+        return _fastscan.decode_attention(q_rot, a.keys.packed, a.keys.scale, a.keys.table.native_plan(), a.values.packed,
+                                          a.values.scale, a.values.table.native_plan(), a.values.table.layout.dim,
+                                          a.n_codes, valid)
+    b, h, G, _ = q_rot.shape
+    state = (q_rot.new_full((b, h, G), float("-inf")), q_rot.new_zeros((b, h, G)),
+             q_rot.new_zeros((b, h, G, a.values.table.layout.dim)))
     step = max(1, BLOCK_ROWS // (b * h))
-    for start in range(0, n, step):
-        stop = min(start + step, n)
+    for start in range(0, a.n_codes, step):
+        stop = min(start + step, a.n_codes)
         rows = lambda c: c.packed[:, :, start:stop].reshape(-1, c.packed.shape[-1])  # noqa: E731
         k = dequantize(rows(a.keys), a.keys.table).view(b, h, stop - start, -1)
         v = dequantize(rows(a.values), a.values.table).view(b, h, stop - start, -1)
         logits = (q_rot @ k.transpose(2, 3)) * a.keys.scale[:, :, None, start:stop].float()
         if valid is not None:
-            logits = logits.masked_fill(~valid[:, None, None, n_sinks + start:n_sinks + stop], float("-inf"))
+            logits = logits.masked_fill(~valid[:, None, None, start:stop], float("-inf"))
         state = _softmax_merge(state, logits, v * a.values.scale[:, :, start:stop, None].float())
-    m_c, l_c, acc_c = state
+    return state
+
+
+def _attend_torch(a: DecodeAttention) -> torch.Tensor:
+    """CPU path of :func:`attend`: the coded tokens' softmax state (:func:`_coded_state`), merged with the exact
+    tokens'."""
+    q = a.queries.float() * a.scaling
+    b, h, G, dh = q.shape
+    q_rot = q @ a.key_rotation
+    valid = a.valid
+    n_sinks, n = a.sink_keys.shape[2], a.n_codes
+    coded_valid = None if valid is None else valid[:, n_sinks:n_sinks + n]
+    m_c, l_c, acc_c = _coded_state(a, q_rot.contiguous(), coded_valid)
     coded = acc_c @ a.value_back + l_c[..., None] * a.value_mean[:, :, None]
     keys = torch.cat([a.sink_keys, a.window_keys], dim=2).float()
     values = torch.cat([a.sink_values, a.window_values], dim=2).float()

@@ -110,7 +110,7 @@ class ShardedIndex:
         routing: ``"hash"`` or ``"round_robin"`` (:mod:`tqvec.distributed.routing`).
         max_restarts: Ray restarts per actor.
         actor_options: passed to Ray's ``.options`` (e.g. ``{"num_cpus": 1}``).
-        timeout: seconds any one call may wait (module docstring: failures), > 0.
+        timeout: seconds any one call may wait (module docstring: failures), > 0; 120 leaves room for cold actor starts.
 
     Raises:
         ValueError: a bad argument (named). ``ShardError``: actors that did not start within ``timeout``.
@@ -126,7 +126,7 @@ class ShardedIndex:
     """
 
     def __init__(self, index: IndexSettings | Callable[[], Any], n_shards: int, *, routing: str = "hash",
-                 max_restarts: int = 3, actor_options: dict[str, Any] | None = None, timeout: float = 30.0) -> None:
+                 max_restarts: int = 3, actor_options: dict[str, Any] | None = None, timeout: float = 120.0) -> None:
         settings, factory = (index, None) if isinstance(index, IndexSettings) else (None, index)
         if factory is not None and not callable(factory):
             raise ValueError(f"index must be IndexSettings or a callable returning an index, got {type(index).__name__}")
@@ -422,7 +422,7 @@ class ShardedIndex:
     @classmethod
     def load(cls, path: str | os.PathLike, *, index_factory: Callable[[], Any] | None = None, mmap: bool = False,
              max_restarts: int = 3, actor_options: dict[str, Any] | None = None,
-             timeout: float = 30.0) -> ShardedIndex:
+             timeout: float = 120.0) -> ShardedIndex:
         """Open a directory written by :meth:`save` or :func:`build_shards`: one actor per shard file.
 
         Every shard file's SHA-256 is recomputed first (one read of each, several at a time), so a corrupt

@@ -1,0 +1,174 @@
+#include "attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "parallel.h"
+
+namespace tqvec {
+namespace {
+
+// Decodes a packed row into the levels of its channels (channels no step covers stay 0). A byte read only by
+// steps that stay inside it and cover consecutive channels in bit order (4-, 2- and 1-bit codes) is decoded by one
+// look-up in a 256-entry table of its channels' levels (tables of equal content are shared: one per segment);
+// every other step (3-, 5- to 8-bit codes, codes across a byte boundary) reads its code and levels on its own.
+class RowDecoder {
+ public:
+  explicit RowDecoder(const Plan& plan) {
+    int32_t n_bytes = 0;
+    for (int t = 0; t < plan.n_steps; ++t) n_bytes = std::max(n_bytes, plan.byte[t] + 2);
+    std::vector<std::vector<int>> readers(static_cast<size_t>(n_bytes));
+    std::vector<bool> shared(static_cast<size_t>(n_bytes), false);  // read by a step that crosses a byte boundary
+    for (int t = 0; t < plan.n_steps; ++t) {
+      readers[plan.byte[t]].push_back(t);
+      if (plan.shift[t] + plan.width[t] > 8) shared[plan.byte[t]] = shared[plan.byte[t] + 1] = true;
+    }
+    for (int32_t b = 0; b < n_bytes; ++b) {
+      std::vector<int>& steps = readers[b];
+      if (steps.empty()) continue;
+      std::sort(steps.begin(), steps.end(), [&](int x, int y) { return plan.shift[x] < plan.shift[y]; });
+      std::vector<int32_t> channels;
+      bool whole = !shared[b];
+      int32_t bit = 0;
+      for (int t : steps) {
+        whole = whole && plan.shift[t] == bit;
+        bit += plan.width[t];
+        for (int j = 0; j < kMaxStepChannels && plan.channel[t * kMaxStepChannels + j] >= 0; ++j)
+          channels.push_back(plan.channel[t * kMaxStepChannels + j]);
+      }
+      for (size_t j = 1; whole && j < channels.size(); ++j) whole = channels[j] == channels[0] + static_cast<int32_t>(j);
+      if (whole && !channels.empty()) {
+        add_byte(plan, b, steps, channels);
+      } else {
+        for (int t : steps) add_step(plan, t);
+      }
+    }
+  }
+
+  void decode(const uint8_t* row, float* out) const {
+    for (const ByteOp& op : bytes_) {
+      const float* levels = tables_[op.table].data() + static_cast<size_t>(row[op.byte]) * op.count;
+      for (int32_t j = 0; j < op.count; ++j) out[op.first_channel + j] = levels[j];
+    }
+    for (const Step& s : steps_) {
+      unsigned bits = row[s.byte];
+      if (s.straddle) bits |= static_cast<unsigned>(row[s.byte + 1]) << 8;
+      const unsigned code = (bits >> s.shift) & s.mask;
+      for (int j = 0; j < kMaxStepChannels && s.channel[j] >= 0; ++j) out[s.channel[j]] = s.level[j * s.size + code];
+    }
+  }
+
+ private:
+  struct ByteOp {
+    int32_t byte, first_channel, count, table;
+  };
+  struct Step {
+    int32_t byte, shift, size;
+    bool straddle;
+    unsigned mask;
+    const float* level;
+    int32_t channel[kMaxStepChannels];
+  };
+
+  void add_byte(const Plan& plan, int32_t b, const std::vector<int>& steps, const std::vector<int32_t>& channels) {
+    const int32_t count = static_cast<int32_t>(channels.size());
+    std::vector<float> table(static_cast<size_t>(256 * count));
+    for (unsigned v = 0; v < 256; ++v) {
+      float* out = table.data() + v * count;
+      for (int t : steps) {
+        const int32_t size = plan.offset[t + 1] - plan.offset[t];
+        const float* level = plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[t];
+        const unsigned code = (v >> plan.shift[t]) & ((1u << plan.width[t]) - 1u);
+        for (int j = 0; j < kMaxStepChannels && plan.channel[t * kMaxStepChannels + j] >= 0; ++j) *out++ = level[j * size + code];
+      }
+    }
+    int32_t index = 0;
+    while (index < static_cast<int32_t>(tables_.size()) && tables_[index] != table) ++index;
+    if (index == static_cast<int32_t>(tables_.size())) tables_.push_back(std::move(table));
+    bytes_.push_back({b, channels[0], count, index});
+  }
+
+  void add_step(const Plan& plan, int t) {
+    Step s;
+    s.byte = plan.byte[t];
+    s.shift = plan.shift[t];
+    s.straddle = plan.shift[t] + plan.width[t] > 8;
+    s.mask = (1u << plan.width[t]) - 1u;
+    s.size = plan.offset[t + 1] - plan.offset[t];
+    s.level = plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[t];
+    for (int j = 0; j < kMaxStepChannels; ++j) s.channel[j] = plan.channel[t * kMaxStepChannels + j];
+    steps_.push_back(s);
+  }
+
+  std::vector<ByteOp> bytes_;
+  std::vector<Step> steps_;
+  std::vector<std::vector<float>> tables_;
+};
+
+// <a, b> over n floats in 8 independent partial sums (a reduction the compiler can vectorize).
+inline float dot(const float* a, const float* b, int64_t n) {
+  float part[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8)
+    for (int j = 0; j < 8; ++j) part[j] += a[c + j] * b[c + j];
+  float total = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+  for (; c < n; ++c) total += a[c] * b[c];
+  return total;
+}
+
+void one_head(const DecodeArgs& a, const RowDecoder& keys, const RowDecoder& values, int64_t head) {
+  const int64_t G = a.group, n = a.n, kd = a.key_dim, vd = a.value_dim;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  std::vector<float> row(static_cast<size_t>(std::max(kd, vd)), 0.0f), logits(static_cast<size_t>(G * n));
+  const float* q = a.queries + head * G * kd;
+  const uint8_t* key_rows = a.keys.packed + head * a.keys.head_stride;
+  const float* key_scale = a.keys.scale + head * a.keys.scale_stride;
+  const uint8_t* valid = a.valid ? a.valid + (head / a.heads_per_batch) * n : nullptr;
+  for (int64_t r = 0; r < n; ++r) {
+    if (valid && !valid[r]) {
+      for (int64_t g = 0; g < G; ++g) logits[g * n + r] = kNegInf;
+      continue;
+    }
+    keys.decode(key_rows + r * a.keys.row_bytes, row.data());
+    for (int64_t g = 0; g < G; ++g) logits[g * n + r] = key_scale[r] * dot(q + g * kd, row.data(), kd);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* lg = logits.data() + g * n;
+    const float m = n ? *std::max_element(lg, lg + n) : kNegInf;
+    float total = 0.0f;
+    if (m != kNegInf) {
+      for (int64_t r = 0; r < n; ++r) total += (lg[r] = std::exp(lg[r] - m));
+    } else {
+      std::fill(lg, lg + n, 0.0f);
+    }
+    a.max[head * G + g] = m;
+    a.sum[head * G + g] = total;
+    std::fill(a.acc + (head * G + g) * vd, a.acc + (head * G + g + 1) * vd, 0.0f);
+  }
+  std::fill(row.begin(), row.end(), 0.0f);
+  const uint8_t* value_rows = a.values.packed + head * a.values.head_stride;
+  const float* value_scale = a.values.scale + head * a.values.scale_stride;
+  for (int64_t r = 0; r < n; ++r) {
+    if (valid && !valid[r]) continue;
+    values.decode(value_rows + r * a.values.row_bytes, row.data());
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = logits[g * n + r] * value_scale[r];
+      float* __restrict__ acc = a.acc + (head * G + g) * vd;
+      const float* __restrict__ levels = row.data();
+      for (int64_t c = 0; c < vd; ++c) acc[c] += w * levels[c];
+    }
+  }
+}
+
+}  // namespace
+
+void decode_attention(const DecodeArgs& a) {
+  const RowDecoder keys(a.keys.plan), values(a.values.plan);
+  parallel_for(static_cast<size_t>(a.heads), a.threads, [&](size_t begin, size_t end) {
+    for (size_t h = begin; h < end; ++h) one_head(a, keys, values, static_cast<int64_t>(h));
+  });
+}
+
+}  // namespace tqvec

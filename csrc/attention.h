@@ -1,0 +1,41 @@
+// One decode step of attention over coded tokens (the CPU counterpart of kernels/attention.py's split kernels).
+//
+// For every head, each coded key is decoded once into its levels and met by the G query vectors (already rotated
+// like the keys and scaled by the softmax scaling): logit = key scale * <q, levels>. The softmax weights of those
+// logits then sum the decoded values (weight * value scale * levels). The answer is the online-softmax state over
+// the coded tokens
+// (max logit, sum of exp(logit - max), exp-weighted value sum in the values' rotated coordinates) that the caller
+// merges with the exactly stored tokens.
+#pragma once
+
+#include <cstdint>
+
+#include "fastscan.h"
+
+namespace tqvec {
+
+// The coded tokens of every head: head h's row r at packed + h * head_stride + r * row_bytes, its scale at
+// scale[h * scale_stride + r].
+struct CodedTokens {
+  Plan plan;
+  const uint8_t* packed;
+  int64_t row_bytes, head_stride;
+  const float* scale;
+  int64_t scale_stride;
+};
+
+struct DecodeArgs {
+  CodedTokens keys, values;
+  const float* queries;       // (heads, group, key_dim): rotated, scaled queries
+  int64_t heads, group, key_dim, value_dim, n;
+  const uint8_t* valid;       // (heads / heads_per_batch, n): 0 masks a token out; null: all valid
+  int64_t heads_per_batch;
+  int threads;
+  float* max;                 // (heads, group): -inf where no token is valid
+  float* sum;                 // (heads, group)
+  float* acc;                 // (heads, group, value_dim)
+};
+
+void decode_attention(const DecodeArgs& a);
+
+}  // namespace tqvec
