@@ -23,22 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ._memory import reset_peak, status_kib
+
 RESULTS = Path(__file__).resolve().parent / "results"
 CASES = ("add", "search-native", "search-torch")
 DIM, NLIST, ROWS, QUERIES, NPROBE, K = 32, 8192, 65_536, 10_000, 64, 300
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def _gaussian(n: int, seed: int) -> np.ndarray:
@@ -60,8 +49,9 @@ def measure(case: str) -> dict:
         index.add(x)
         _fastscan.set_cpu_kernel(case.removeprefix("search-"))
         index.search(queries[:10], K)  # builds the scan layout, which is part of the index, not the step
-    before = _status_kb("VmRSS")
-    _reset_peak()
+    before = status_kib("VmRSS")
+    if not reset_peak():
+        raise RuntimeError("measuring a peak needs Linux's /proc/self/clear_refs")
     start = time.perf_counter()
     if case == "add":
         index.train(x)
@@ -71,7 +61,7 @@ def measure(case: str) -> dict:
         D, I = index.search(queries, K)
         out_bytes = D.nbytes + I.nbytes
     seconds = time.perf_counter() - start
-    peak = _status_kb("VmHWM")
+    peak = status_kib("VmHWM")
     return {"case": case, "rss_before_mib": before / 1024, "peak_growth_mib": (peak - before) / 1024,
             "output_mib": out_bytes / 2**20, "seconds": seconds}
 

@@ -34,6 +34,8 @@ from transformers import Cache, DynamicCache, QuantizedCache
 from tqvec.kv import TurboQuantCache
 from tqvec.kv import evaluate as ev
 
+from ._memory import reset_peak, status_kib
+
 RESULTS = Path(__file__).resolve().parent / "results"
 MiB = 1 << 20
 
@@ -143,14 +145,6 @@ def bytes_markdown(args, rows: dict, command: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- memory
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def memory_child(args) -> None:
     """One cache, one generate: prints a JSON line with the peak resident growth (bytes) and the cache's bytes."""
     from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
@@ -163,12 +157,12 @@ def memory_child(args) -> None:
     model.set_attn_implementation("tqvec")
     ids = torch.randint(0, cfg.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0))
     cache = _factories(cfg, args.caches, args.window)[args.caches[0]]()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current resident set
-    base = _rss_kib("VmRSS")
+    if not reset_peak():
+        raise RuntimeError("measuring a peak needs Linux's /proc/self/clear_refs")
+    base = status_kib("VmRSS")
     with torch.no_grad():
         model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, cache=cache)
-    peak = _rss_kib("VmHWM")
+    peak = status_kib("VmHWM")
     print(json.dumps({"peak_bytes": (peak - base) * 1024, "cache_bytes": cache_nbytes(cache)}))
 
 

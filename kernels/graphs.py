@@ -69,9 +69,6 @@ class GraphCache:
         self._lock = threading.Lock()
         self._entries: OrderedDict[Hashable, _Entry | None] = OrderedDict()
 
-    def __len__(self) -> int:
-        return sum(entry is not None for entry in self._entries.values())
-
     def clear(self) -> None:
         """Drop every graph (and the memory its buffers hold), once the work queued on each has finished."""
         with self._lock:

@@ -25,6 +25,7 @@ import torch
 
 from tqvec import Index, storage
 from tqvec._rows import search_results
+from tqvec.bench._memory import reset_peak, status_kib
 from tqvec.ivf import IVFIndex
 from tqvec.storage import StorageError
 
@@ -115,24 +116,6 @@ def test_largest_id_then_automatic_ids_raise_clearly() -> None:
 
 
 # ------------------------------------------------------------------------------ 3: crafted files, valid checksum
-def _peak_rss_reset() -> bool:
-    """Reset this process's peak-RSS mark (Linux ``clear_refs``); False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
 def _saved_index(tmp_path: Path, kind: str) -> Path:
     path = tmp_path / f"{kind}.tqv"
     if kind == "flat":
@@ -231,13 +214,13 @@ def test_crafted_file_with_valid_checksum_raises_storage_error_fast(tmp_path: Pa
     path = _saved_index(tmp_path, kind)
     _edit(path, meta, arrays)
     cls = Index if kind == "flat" else IVFIndex
-    measured = _peak_rss_reset()
-    before = _status_kb("VmRSS") if measured else 0
+    measured = reset_peak()
+    before = status_kib("VmRSS") if measured else 0
     start = time.perf_counter()
     with pytest.raises(StorageError):
         cls.load(path)
     elapsed = time.perf_counter() - start
-    grown_mb = (_status_kb("VmHWM") - before) / 1024 if measured else 0.0
+    grown_mb = (status_kib("VmHWM") - before) / 1024 if measured else 0.0
     assert elapsed < 1.0, f"{case}: {elapsed:.2f} s"
     assert grown_mb < 100, f"{case}: peak RSS grew {grown_mb:.0f} MB"
 

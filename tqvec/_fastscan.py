@@ -163,7 +163,7 @@ class Probes:
     constant: np.ndarray  # (nq, nprobe) float32
 
 
-_NONE = {np.dtype(np.float32): np.zeros(0, np.float32), np.dtype(np.int64): np.zeros(0, np.int64)}
+_NONE = {np.dtype(t): np.zeros(0, t) for t in (np.float32, np.int64, np.uint8)}
 _NO_PROBE = np.zeros((0, 0), np.int64), np.zeros((0, 0), np.float32)
 
 
@@ -272,10 +272,9 @@ def decode_attention(queries: torch.Tensor, keys: torch.Tensor, key_scale: torch
     """
     b, h, group, _ = queries.shape
     heads = lambda t: _array(t.reshape(b * h, *t.shape[2:]), np.uint8 if t.dtype == torch.uint8 else np.float32)  # noqa: E731
-    no_mask = _NONE[np.dtype(np.float32)].view(np.uint8)
     m, total, acc = _native.decode_attention(
         key_steps.handle, heads(keys), heads(key_scale[:, :, :n].float()), value_steps.handle, heads(values),
         heads(value_scale[:, :, :n].float()), _array(queries.reshape(b * h, group, -1), np.float32), value_dim, n,
-        no_mask if valid is None else _array(valid.to(torch.uint8), np.uint8), h, torch.get_num_threads())
+        _array(None if valid is None else valid.to(torch.uint8), np.uint8), h, torch.get_num_threads())
     as_tensor = lambda x, *shape: torch.from_numpy(x).view(*shape)  # noqa: E731
     return as_tensor(m, b, h, group), as_tensor(total, b, h, group), as_tensor(acc, b, h, group, value_dim)

@@ -60,7 +60,8 @@ def probe_lists(index: IVFIndex, q: torch.Tensor, nprobe: int) -> tuple[torch.Te
     centroids, center, nq = index.centroids, index._center, q.shape[0]
     half_norms = None if index.metric == "ip" else 0.5 * (centroids * centroids).sum(1)
     rows = max(1, min(nq, PROBE_BLOCK_SCORES // index.nlist))
-    scores, closeness = (torch.empty(rows, index.nlist, device=q.device) for _ in range(2))
+    scores = torch.empty(rows, index.nlist, device=q.device)
+    closeness = None if half_norms is None else torch.empty_like(scores)
     ordered = (torch.empty(rows, index.nlist, device=q.device),
                torch.empty(rows, index.nlist, dtype=torch.int64, device=q.device))
     probe = torch.empty(nq, nprobe, dtype=torch.int64, device=q.device)

@@ -10,6 +10,7 @@ import importlib
 import importlib.util
 import sys
 from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
 
 #: ``tqvec demo``: the quick comparison that ``make run`` prints
 DEMO = ("tqvec.bench.demo", "main")
@@ -28,7 +29,7 @@ def summary(point: EntryPoint) -> str:
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
         return "(not installed)"
-    tree = ast.parse(open(spec.origin, encoding="utf-8").read())
+    tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
     node = tree if function == "main" else next(
         (n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function), tree)
     text = (ast.get_docstring(node) or "").strip().splitlines()

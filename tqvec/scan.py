@@ -332,7 +332,6 @@ def _attend_torch(a: DecodeAttention) -> torch.Tensor:
     """CPU path of :func:`attend`: the coded tokens' softmax state (:func:`_coded_state`), merged with the exact
     tokens'."""
     q = a.queries.float() * a.scaling
-    b, h, G, dh = q.shape
     q_rot = q @ a.key_rotation
     valid = a.valid
     n_sinks, n = a.sink_keys.shape[2], a.n_codes
