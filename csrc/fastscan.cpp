@@ -42,7 +42,8 @@ struct Candidate {
   float constant;  // the row's group constant, kept for the exact re-score
 };
 
-// The best `capacity` candidates seen so far (a min-heap on score; NaN and -inf never enter).
+// The best `capacity` candidates seen so far (a min-heap on score; NaN and -inf never enter). Its comparator is
+// a functor, so the heap operations inline into the SIMD kernels that call them.
 class BestRows {
  public:
   explicit BestRows(int64_t capacity) : capacity_(static_cast<size_t>(capacity)) { heap_.reserve(capacity_); }
@@ -53,18 +54,20 @@ class BestRows {
     if (!(score > threshold())) return;
     if (heap_.size() < capacity_) {
       heap_.push_back({score, row, constant});
-      std::push_heap(heap_.begin(), heap_.end(), worse_first);
+      std::push_heap(heap_.begin(), heap_.end(), WorseFirst{});
     } else {
-      std::pop_heap(heap_.begin(), heap_.end(), worse_first);
+      std::pop_heap(heap_.begin(), heap_.end(), WorseFirst{});
       heap_.back() = {score, row, constant};
-      std::push_heap(heap_.begin(), heap_.end(), worse_first);
+      std::push_heap(heap_.begin(), heap_.end(), WorseFirst{});
     }
   }
 
   std::vector<Candidate>& items() { return heap_; }
 
  private:
-  static bool worse_first(const Candidate& a, const Candidate& b) { return a.score > b.score; }
+  struct WorseFirst {
+    bool operator()(const Candidate& a, const Candidate& b) const { return a.score > b.score; }
+  };
   size_t capacity_;
   std::vector<Candidate> heap_;
 };
@@ -96,8 +99,15 @@ struct ExactSteps {
     int32_t byte, shift, straddle, entry;
     uint32_t mask;
   };
+  // Runs of 16k channels read as byte pairs of nibbles (8k bytes from `byte`, channels from `channel` in
+  // order) that share one 16-entry level table (plan.level[level .. level + 16)): exact_dot_avx2 decodes
+  // them to levels and multiplies by the query; exact_dot reads every pair from the float tables instead.
+  struct Run {
+    int32_t byte, channel, groups, level;  // groups: 16-channel groups
+  };
   std::vector<Pair> pairs;
   std::vector<Single> singles;
+  std::vector<Run> runs;
 };
 
 // True when steps t and t + 1 are the low and high nibble of one byte, each a full 4-bit code.
@@ -106,11 +116,39 @@ inline bool nibble_pair(const Plan& plan, int t) {
          plan.shift[t + 1] == 4 && plan.width[t + 1] == 4;
 }
 
-ExactSteps exact_steps(const Plan& plan) {
+// True when steps t .. t + 15 are the nibbles of 8 consecutive bytes from byte[t], one channel each, channels
+// consecutive from channel[t], all with the level table of step `first`.
+bool nibble_group(const Plan& plan, int t, int first) {
+  if (t + 16 > plan.n_steps) return false;
+  const float* table = plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[first];
+  for (int i = 0; i < 16; ++i) {
+    const int u = t + i;
+    if (plan.width[u] != 4 || plan.byte[u] != plan.byte[t] + i / 2 || plan.shift[u] != 4 * (i % 2) ||
+        plan.channel[u * kMaxStepChannels] != plan.channel[t * kMaxStepChannels] + i ||
+        plan.channel[u * kMaxStepChannels + 1] != -1 ||
+        !std::equal(table, table + kLut, plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[u]))
+      return false;
+  }
+  return true;
+}
+
+// The exact scoring steps of `plan`; with `runs`, nibble pairs in runs of 16 channels (nibble_group) are kept as
+// runs for exact_dot_avx2.
+ExactSteps exact_steps(const Plan& plan, bool runs = false) {
   ExactSteps steps;
   for (int t = 0; t < plan.n_steps; ++t) {
     const int32_t b = plan.byte[t], s = plan.shift[t], w = plan.width[t];
-    if (nibble_pair(plan, t)) {
+    if (runs && nibble_group(plan, t, t)) {
+      const int first = t;
+      ExactSteps::Run run{b, plan.channel[t * kMaxStepChannels], 0, kMaxStepChannels * plan.offset[t]};
+      while (nibble_group(plan, t, first) && plan.byte[t] == run.byte + 8 * run.groups &&
+             plan.channel[t * kMaxStepChannels] == run.channel + 16 * run.groups) {
+        ++run.groups;
+        t += 16;
+      }
+      steps.runs.push_back(run);
+      --t;  // the loop's ++t moves to the first step after the run
+    } else if (nibble_pair(plan, t)) {
       steps.pairs.push_back({b, plan.offset[t]});
       ++t;
     } else {
@@ -122,18 +160,37 @@ ExactSteps exact_steps(const Plan& plan) {
 
 // Exact inner product of one row with the float tables.
 inline float exact_dot(const ExactSteps& steps, const float* lut, const uint8_t* row) {
-  float low = 0.0f, high = 0.0f;
-  for (const ExactSteps::Pair& p : steps.pairs) {
-    const unsigned byte = row[p.byte];
-    low += lut[p.entry + (byte & 15u)];
-    high += lut[p.entry + 16 + (byte >> 4)];
+  float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // four independent chains: the adds' latency, not the loads, bound one
+  const ExactSteps::Pair* pair = steps.pairs.data();
+  const size_t n_pairs = steps.pairs.size();
+  size_t i = 0;
+  for (; i + 2 <= n_pairs; i += 2) {
+    const unsigned b0 = row[pair[i].byte], b1 = row[pair[i + 1].byte];
+    sum[0] += lut[pair[i].entry + (b0 & 15u)];
+    sum[1] += lut[pair[i].entry + 16 + (b0 >> 4)];
+    sum[2] += lut[pair[i + 1].entry + (b1 & 15u)];
+    sum[3] += lut[pair[i + 1].entry + 16 + (b1 >> 4)];
   }
-  for (const ExactSteps::Single& s : steps.singles) {
-    unsigned bits = row[s.byte];
-    if (s.straddle) bits |= static_cast<unsigned>(row[s.byte + 1]) << 8;
-    low += lut[s.entry + ((bits >> s.shift) & s.mask)];
+  if (i < n_pairs) {
+    const unsigned byte = row[pair[i].byte];
+    sum[0] += lut[pair[i].entry + (byte & 15u)];
+    sum[1] += lut[pair[i].entry + 16 + (byte >> 4)];
   }
-  return low + high;
+  const ExactSteps::Single* single = steps.singles.data();
+  const size_t n_singles = steps.singles.size();
+  auto entry = [&](const ExactSteps::Single& s) {
+    const unsigned bits = row[s.byte] | (static_cast<unsigned>(row[s.byte + s.straddle]) << 8);  // straddle: 0 or 1
+    return lut[s.entry + ((bits >> s.shift) & s.mask)];
+  };
+  i = 0;
+  for (; i + 4 <= n_singles; i += 4) {
+    sum[0] += entry(single[i]);
+    sum[1] += entry(single[i + 1]);
+    sum[2] += entry(single[i + 2]);
+    sum[3] += entry(single[i + 3]);
+  }
+  for (; i < n_singles; ++i) sum[0] += entry(single[i]);
+  return (sum[0] + sum[1]) + (sum[2] + sum[3]);
 }
 
 inline float finish(const Rows& rows, int64_t r, float dot, float constant) {
@@ -445,38 +502,122 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) void block_sums_avx512(cons
   widen_sums(acc_a, acc_b, wide);
 }
 
-// Scans the blocks of work item `w` for each of its queries (tables `luts`, one table set per query): each
-// block is looked up for every query of the group while it is in cache.
-__attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Work& w, const float* luts,
-                                                   std::vector<BestRows>& best, const StepOps& ops, bool avx512) {
-  const Blocks& blocks = *a.blocks;
-  const int64_t group = w.query_end - w.query;
-  const int64_t block_bytes = blocks.row_bytes * kRowsPerBlock;
-  std::vector<QuantizedTables> q(group);
-  std::vector<Lut32> tables(static_cast<size_t>(group * a.plan.n_steps));
-  for (int64_t j = 0; j < group; ++j) {
-    quantize_tables(a.plan, luts + j * table_entries(a.plan), q[j]);
-    for (int t = 0; t < a.plan.n_steps; ++t) {
-      Lut32& lut = tables[j * a.plan.n_steps + t];
-      std::memcpy(lut.bytes, q[j].lut.data() + t * kLut, kLut);
-      std::memcpy(lut.bytes + kLut, q[j].lut.data() + t * kLut, kLut);
+// What the SIMD scan reads: the blocks, the plan their tables follow and its steps, and for the two-stage scan
+// the slots' slack, the exact steps and float tables that re-score a row.
+struct SimdSource {
+  const Blocks* blocks;
+  const Plan* plan;
+  const StepOps* ops;
+  const float* slack;         // null: one stage (keep the best rows by the 8-bit estimate)
+  const ExactSteps* exact;    // two-stage: re-scoring steps of the search's plan, with runs (exact_dot_avx2)
+  const float* exact_luts;    // two-stage: (queries of the item, table entries of the search's plan)
+  size_t exact_entries;
+};
+
+// The 8-bit tables of a group of queries for the SIMD kernels: per query and step one Lut32, and with AVX-512
+// the Lut64 of each byte pair of the pair runs (steps t and t + 2 side by side).
+struct GroupTables {
+  std::vector<QuantizedTables> q;
+  std::vector<Lut32> narrow;
+  std::unique_ptr<Lut64[]> wide;
+
+  GroupTables(const Plan& plan, const StepOps& ops, const float* luts, int64_t group, bool avx512) : q(group) {
+    narrow.resize(static_cast<size_t>(group * plan.n_steps));
+    for (int64_t j = 0; j < group; ++j) {
+      quantize_tables(plan, luts + j * table_entries(plan), q[j]);
+      for (int t = 0; t < plan.n_steps; ++t) {
+        Lut32& lut = narrow[j * plan.n_steps + t];
+        std::memcpy(lut.bytes, q[j].lut.data() + t * kLut, kLut);
+        std::memcpy(lut.bytes + kLut, q[j].lut.data() + t * kLut, kLut);
+      }
+    }
+    if (!avx512) return;
+    wide.reset(new Lut64[static_cast<size_t>(group * plan.n_steps)]);
+    for (int64_t j = 0; j < group; ++j) {
+      const Lut32* row = narrow.data() + j * plan.n_steps;
+      for (const PairRun& run : ops.pairs)
+        for (int m = 0; 2 * m + 1 < run.count; ++m)
+          for (int h = 0; h < 2; ++h) {
+            const int t = run.lut + 4 * m + h;
+            Lut64& lut = wide[j * plan.n_steps + t];
+            std::memcpy(lut.bytes, row[t].bytes, sizeof(Lut32));
+            std::memcpy(lut.bytes + sizeof(Lut32), row[t + 2].bytes, sizeof(Lut32));
+          }
     }
   }
-  // the 512-bit tables of the byte pairs the pair runs read (block_sums_avx512): steps t and t + 2 side by side
-  const size_t wide_count = avx512 ? static_cast<size_t>(group * a.plan.n_steps) : 0;
-  std::unique_ptr<Lut64[]> wide_tables(wide_count ? new Lut64[wide_count] : nullptr);
-  for (int64_t j = 0; avx512 && j < group; ++j) {
-    const Lut32* narrow = tables.data() + j * a.plan.n_steps;
-    for (const PairRun& run : ops.pairs)
-      for (int m = 0; 2 * m + 1 < run.count; ++m)
-        for (int h = 0; h < 2; ++h) {
-          const int t = run.lut + 4 * m + h;
-          Lut64& lut = wide_tables[j * a.plan.n_steps + t];
-          std::memcpy(lut.bytes, narrow[t].bytes, sizeof(Lut32));
-          std::memcpy(lut.bytes + sizeof(Lut32), narrow[t + 2].bytes, sizeof(Lut32));
-        }
+};
+
+// exact_dot with the runs of `steps` (exact_steps(plan, true)) decoded 16 channels at a time: their nibbles are
+// looked up in the run's level table (two 8-entry permutes) and multiplied by `query` (the rotated query of the
+// float tables `lut`); the other steps are read from `lut`.
+__attribute__((target("avx2,fma"))) inline float exact_dot_avx2(const ExactSteps& steps, const float* lut, const float* levels,
+                                                             const float* query, const uint8_t* row) {
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (const ExactSteps::Run& run : steps.runs) {
+    const __m256 low_levels = _mm256_loadu_ps(levels + run.level), high_levels = _mm256_loadu_ps(levels + run.level + 8);
+    const uint8_t* bytes = row + run.byte;
+    const float* q = query + run.channel;
+    for (int g = 0; g < run.groups; ++g) {
+      const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * g));
+      const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(packed, nibble), _mm_and_si128(_mm_srli_epi16(packed, 4), nibble));
+      const __m256i first = _mm256_cvtepu8_epi32(codes), second = _mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8));
+      // entries 8-15 where bit 3 is set: the blend reads that bit as the sign of the shifted index
+      const __m256 v0 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low_levels, first), _mm256_permutevar8x32_ps(high_levels, first),
+                                         _mm256_castsi256_ps(_mm256_slli_epi32(first, 28)));
+      const __m256 v1 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low_levels, second), _mm256_permutevar8x32_ps(high_levels, second),
+                                         _mm256_castsi256_ps(_mm256_slli_epi32(second, 28)));
+      acc0 = _mm256_fmadd_ps(v0, _mm256_loadu_ps(q + 16 * g), acc0);
+      acc1 = _mm256_fmadd_ps(v1, _mm256_loadu_ps(q + 16 * g + 8), acc1);
+    }
   }
+  alignas(32) float part[8];
+  _mm256_store_ps(part, _mm256_add_ps(acc0, acc1));
+  const float runs = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+  return runs + exact_dot(steps, lut, row);
+}
+
+// Scores the rows of `lanes` (n of them) of sign block `b` exactly for query `j` of the item (two-stage scan),
+// their codes fetched from the slot-ordered copy (prefetched together first), and offers them to `best`.
+__attribute__((target("avx2,fma"))) inline void refine(const SearchArgs& a, const SimdSource& src, int64_t b,
+                                                     const int* lanes, int n, int64_t j, const float* query, float constant,
+                                                     BestRows& best) {
+  const SignBlocks& signs = *a.signs;
+  const int64_t row_bytes = a.rows.row_bytes;
+  const uint8_t* codes = signs.codes + b * kRowsPerBlock * row_bytes;
+  for (int i = 0; i < n; ++i)
+    for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(codes + lanes[i] * row_bytes + line);
+  const float* lut = src.exact_luts + j * src.exact_entries;
+  for (int i = 0; i < n; ++i) {
+    const int64_t slot = b * kRowsPerBlock + lanes[i];
+    const float dot = exact_dot_avx2(*src.exact, lut, a.plan.level, query, codes + lanes[i] * row_bytes);
+    best.push(signs.scale[slot] * dot + signs.blocks.bias[slot] + constant, signs.blocks.rows[slot], constant);
+  }
+}
+
+// Scans the blocks of work item `w` for each of its queries (tables `luts` of `src.plan`, one set per query):
+// each block is looked up for every query of the group while it is in cache. One stage: a row enters `best`
+// with its 8-bit estimate. Two stages: a row is scored exactly (and enters `best` with that score) when its
+// estimate plus confidence * |q| * slack plus the tables' rounding bound beats the query's k-th exact score.
+__attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Work& w, const float* luts,
+                                                   std::vector<BestRows>& best, const SimdSource& src, bool avx512) {
+  const Blocks& blocks = *src.blocks;
+  const Plan& plan = *src.plan;
+  const int64_t group = w.query_end - w.query;
+  const int64_t block_bytes = blocks.row_bytes * kRowsPerBlock;
+  const GroupTables tables(plan, *src.ops, luts, group, avx512);
+  const bool two_stage = src.slack != nullptr;
+  std::vector<float> reach(static_cast<size_t>(group)), rounding(static_cast<size_t>(group));
+  for (int64_t j = 0; two_stage && j < group; ++j) {  // bound = reach * slack + rounding * |gain|
+    const float* q = a.queries + (w.query + j) * a.dim;
+    float squared = 0.0f;
+    for (int64_t d = 0; d < a.dim; ++d) squared += q[d] * q[d];
+    reach[j] = a.confidence * std::sqrt(squared);
+    rounding[j] = 0.5f * static_cast<float>(plan.n_steps) * tables.q[j].inv_scale;
+  }
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
   alignas(32) float score[8];
+  int lanes[kRowsPerBlock];
   __m256i sums[4];
   for (const GroupSpan& s : spans_of(a, w, blocks.group_blocks)) {
     const __m256 constant = _mm256_set1_ps(s.constant);
@@ -484,27 +625,40 @@ __attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Wo
       const uint8_t* codes = blocks.codes + b * block_bytes;
       const float* scale = blocks.scale + b * kRowsPerBlock;
       const float* bias = blocks.bias + b * kRowsPerBlock;
+      const float* slack = two_stage ? src.slack + b * kRowsPerBlock : nullptr;
       const int64_t* ids = blocks.rows + b * kRowsPerBlock;
       for (int64_t j = 0; j < group; ++j) {
         if (avx512) {
-          block_sums_avx512(codes, ops, tables.data() + j * a.plan.n_steps, wide_tables.get() + j * a.plan.n_steps, sums);
+          block_sums_avx512(codes, *src.ops, tables.narrow.data() + j * plan.n_steps, tables.wide.get() + j * plan.n_steps, sums);
         } else {
-          block_sums(codes, ops, tables.data() + j * a.plan.n_steps, sums);
+          block_sums(codes, *src.ops, tables.narrow.data() + j * plan.n_steps, sums);
         }
-        const __m256 inv_scale = _mm256_set1_ps(q[j].inv_scale), offset = _mm256_set1_ps(q[j].offset);
+        const __m256 inv_scale = _mm256_set1_ps(tables.q[j].inv_scale), offset = _mm256_set1_ps(tables.q[j].offset);
         const __m256 threshold = _mm256_set1_ps(best[j].threshold());
+        int n_passing = 0;
         for (int g = 0; g < 4; ++g) {  // side fields and row numbers are stored in the same lane order
           const __m256 dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[g]), inv_scale, offset);
-          const __m256 value = _mm256_add_ps(_mm256_fmadd_ps(dot, _mm256_loadu_ps(scale + 8 * g), _mm256_loadu_ps(bias + 8 * g)), constant);
+          const __m256 gain = _mm256_loadu_ps(scale + 8 * g);
+          __m256 value = _mm256_add_ps(_mm256_fmadd_ps(dot, gain, _mm256_loadu_ps(bias + 8 * g)), constant);
+          if (two_stage) {
+            const __m256 bound = _mm256_fmadd_ps(_mm256_loadu_ps(slack + 8 * g), _mm256_set1_ps(reach[j]),
+                                                 _mm256_mul_ps(_mm256_andnot_ps(sign_bit, gain), _mm256_set1_ps(rounding[j])));
+            value = _mm256_add_ps(value, bound);
+          }
           int passing = _mm256_movemask_ps(_mm256_cmp_ps(value, threshold, _CMP_GT_OQ));
           if (!passing) continue;
           _mm256_store_ps(score, value);
           while (passing) {
             const int i = __builtin_ctz(passing);
             passing &= passing - 1;
-            best[j].push(score[i], ids[8 * g + i], s.constant);
+            if (two_stage) {
+              lanes[n_passing++] = 8 * g + i;
+            } else {
+              best[j].push(score[i], ids[8 * g + i], s.constant);
+            }
           }
         }
+        if (n_passing) refine(a, src, b, lanes, n_passing, j, a.queries + (w.query + j) * a.dim, s.constant, best[j]);
       }
     }
   }
@@ -579,17 +733,84 @@ BlockStore arrange(const Rows& rows, const int64_t* offsets, const int64_t* list
   return out;
 }
 
+Plan SignStore::plan() const {
+  return {static_cast<int>(byte.size()), byte.data(), shift.data(), width.data(), channel.data(), offset.data(), level.data()};
+}
+
+size_t SignStore::nbytes() const { return blocks.nbytes() + sizeof(float) * (slack.size() + scale.size()) + codes.size(); }
+
+SignStore arrange_signs(const Rows& rows, const Plan& plan, int64_t channels, const int64_t* offsets,
+                        const int64_t* list_rows, int64_t n_groups) {
+  SignStore out;
+  const int64_t sign_bytes = (channels + 7) / 8, n_steps = (channels + 3) / 4;
+  for (int64_t t = 0; t < n_steps; ++t) {  // step t: the nibble of channels 4t .. 4t + 3, level +1 where a bit is set
+    out.byte.push_back(static_cast<int32_t>(t / 2));
+    out.shift.push_back(static_cast<int32_t>(4 * (t % 2)));
+    out.width.push_back(4);
+    out.offset.push_back(static_cast<int32_t>(kLut * t));
+    for (int j = 0; j < kMaxStepChannels; ++j) {
+      const bool used = 4 * t + j < channels;
+      out.channel.push_back(used ? static_cast<int32_t>(4 * t + j) : -1);
+      for (int e = 0; e < kLut; ++e) out.level.push_back(!used ? 0.0f : (e >> j) & 1 ? 1.0f : -1.0f);
+    }
+  }
+  out.offset.push_back(static_cast<int32_t>(kLut * n_steps));
+  std::vector<uint8_t> signs(static_cast<size_t>(rows.n * sign_bytes), 0);
+  std::vector<float> gain(static_cast<size_t>(rows.n)), slack(static_cast<size_t>(rows.n));
+  const double root_d = std::sqrt(static_cast<double>(channels)), root_d1 = std::sqrt(std::max<double>(1.0, channels - 1.0));
+  for (int64_t r = 0; r < rows.n; ++r) {
+    const uint8_t* row = rows.packed + r * rows.row_bytes;
+    uint8_t* sign = signs.data() + r * sign_bytes;
+    double l1 = 0.0, l2 = 0.0;
+    for (int t = 0; t < plan.n_steps; ++t) {
+      unsigned bits = row[plan.byte[t]];
+      if (plan.shift[t] + plan.width[t] > 8) bits |= static_cast<unsigned>(row[plan.byte[t] + 1]) << 8;
+      const int32_t code = static_cast<int32_t>((bits >> plan.shift[t]) & ((1u << plan.width[t]) - 1u));
+      const int32_t size = plan.offset[t + 1] - plan.offset[t];
+      const float* level = plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[t];
+      for (int j = 0; j < kMaxStepChannels && plan.channel[t * kMaxStepChannels + j] >= 0; ++j) {
+        const int32_t c = plan.channel[t * kMaxStepChannels + j];
+        const float v = level[j * size + code];
+        if (v > 0.0f) sign[c / 8] |= static_cast<uint8_t>(1u << (c % 8));
+        l1 += std::fabs(v);
+        l2 += static_cast<double>(v) * v;
+      }
+    }
+    const double scale = rows.scale ? rows.scale[r] : 1.0;
+    const double f = l1 > 0.0 ? l1 / (root_d * std::sqrt(l2)) : 1.0;  // cos(o, s)
+    gain[r] = l1 > 0.0 ? static_cast<float>(scale * l2 / l1) : 0.0f;
+    slack[r] = static_cast<float>(std::fabs(scale) * std::sqrt(l2) * std::sqrt(std::max(0.0, 1.0 - f * f)) / (f * root_d1));
+  }
+  out.blocks = arrange({signs.data(), rows.n, sign_bytes, gain.data(), rows.bias}, offsets, list_rows, n_groups);
+  const size_t slots = out.blocks.rows.size();
+  out.slack.assign(slots, 0.0f);
+  out.scale.assign(slots, 0.0f);
+  out.codes.assign(slots * static_cast<size_t>(rows.row_bytes), 0);
+  for (size_t lane = 0; lane < slots; ++lane) {
+    const int64_t r = out.blocks.rows[lane];
+    if (r < 0) continue;
+    out.slack[lane] = slack[static_cast<size_t>(r)];
+    out.scale[lane] = rows.scale ? rows.scale[r] : 1.0f;
+    std::memcpy(out.codes.data() + lane * rows.row_bytes, rows.packed + r * rows.row_bytes, static_cast<size_t>(rows.row_bytes));
+  }
+  return out;
+}
+
 const char* search(const SearchArgs& a, Isa max_isa) {
   const bool narrow = std::all_of(a.plan.width, a.plan.width + a.plan.n_steps, [](int32_t w) { return w <= 4; });
-  const bool simd = max_isa >= Isa::kAvx2 && narrow && has_avx2() && a.rescore > 0 && a.blocks != nullptr;
+  const bool vector_isa = max_isa >= Isa::kAvx2 && has_avx2() && a.rescore > 0;
+  const bool two_stage = vector_isa && a.signs != nullptr;
+  const bool simd = two_stage || (vector_isa && narrow && a.blocks != nullptr);
   const bool avx512 = simd && max_isa >= Isa::kAvx512 && has_avx512();
   const int threads = std::max(1, a.threads);
+  const Blocks* blocks = two_stage ? &a.signs->blocks : a.blocks;
+  const Plan& table_plan = two_stage ? a.signs->plan : a.plan;  // the plan whose tables the SIMD scan looks up
   const bool flat = a.groups.probe == nullptr;  // every query scans the one group
   // Work items: without probe, groups of up to kQueryGroup queries share each block, and when there are too
   // few groups for the threads the rows (blocks) are split too; with probe, one query per item, its probed
   // groups split across items when there are fewer queries than threads. No item is split below
   // kMinRowsPerPart rows (starting a thread costs more than scanning fewer).
-  const int64_t* offsets = simd ? a.blocks->group_blocks : a.groups.offsets;
+  const int64_t* offsets = simd ? blocks->group_blocks : a.groups.offsets;
   const int64_t unit = simd ? kRowsPerBlock : 1;  // rows per offset unit
   const int64_t rows_per_query = flat ? unit * (offsets[1] - offsets[0])
                                       : unit * offsets[a.groups.n_groups] * a.groups.n_probe / std::max<int64_t>(1, a.groups.n_groups);
@@ -615,24 +836,30 @@ const char* search(const SearchArgs& a, Isa max_isa) {
     }
   }
   // candidates kept per query: never more than the rows (a k past them is padding, written by write_best)
-  const int64_t keep = std::min<int64_t>(simd ? std::max(a.k, a.rescore) : a.k, std::max<int64_t>(1, a.rows.n));
-  const ExactSteps exact = exact_steps(a.plan);
+  const int64_t keep = std::min<int64_t>(simd && !two_stage ? std::max(a.k, a.rescore) : a.k, std::max<int64_t>(1, a.rows.n));
+  const ExactSteps exact = exact_steps(a.plan), exact_runs = two_stage ? exact_steps(a.plan, true) : ExactSteps{};
   // candidates per item and query of the item, kept for the merge when a query's rows are split across items
   std::vector<std::vector<std::vector<Candidate>>> found(work.size());
 #ifdef TQVEC_X86
-  const StepOps ops = simd ? step_ops(a.plan) : StepOps{};
+  const StepOps ops = simd ? step_ops(table_plan) : StepOps{};
 #endif
 
   auto scan_items = [&](size_t begin, size_t end) {
     std::vector<float> luts(table_entries(a.plan) * static_cast<size_t>(group));
+    std::vector<float> sign_luts(two_stage ? table_entries(table_plan) * static_cast<size_t>(group) : 0);
     for (size_t i = begin; i < end; ++i) {
       const Work& w = work[i];
-      for (int64_t q = w.query; q < w.query_end; ++q)
+      for (int64_t q = w.query; q < w.query_end; ++q) {
         float_tables(a.plan, a.queries + q * a.dim, luts.data() + (q - w.query) * table_entries(a.plan));
+        if (two_stage)
+          float_tables(table_plan, a.queries + q * a.dim, sign_luts.data() + (q - w.query) * table_entries(table_plan));
+      }
       std::vector<BestRows> best(static_cast<size_t>(w.query_end - w.query), BestRows(keep));
 #ifdef TQVEC_X86
       if (simd) {
-        scan_avx2(a, w, luts.data(), best, ops, avx512);
+        const SimdSource src{blocks, &table_plan, &ops, two_stage ? a.signs->slack : nullptr, &exact_runs, luts.data(),
+                             table_entries(a.plan)};
+        scan_avx2(a, w, two_stage ? sign_luts.data() : luts.data(), best, src, avx512);
       } else {
         scan_exact(a, exact, w, luts.data(), best[0]);
       }
@@ -641,7 +868,7 @@ const char* search(const SearchArgs& a, Isa max_isa) {
 #endif
       for (size_t j = 0; j < best.size(); ++j) {
         std::vector<Candidate>& cands = best[j].items();
-        if (simd) {  // exact scores for the candidates of the 8-bit estimate, with this item's float tables
+        if (simd && !two_stage) {  // exact scores for the candidates of the 8-bit estimate, with this item's float tables
           const float* lut = luts.data() + j * table_entries(a.plan);
           for (Candidate& c : cands)
             c.score = finish(a.rows, c.row, exact_dot(exact, lut, a.rows.packed + c.row * a.rows.row_bytes), c.constant);
@@ -656,7 +883,7 @@ const char* search(const SearchArgs& a, Isa max_isa) {
     }
   };
   parallel_for(work.size(), threads, scan_items);
-  const char* kernel = avx512 ? "avx512" : simd ? "avx2" : "scalar";
+  const char* kernel = two_stage ? (avx512 ? "avx512-signs" : "avx2-signs") : avx512 ? "avx512" : simd ? "avx2" : "scalar";
   if (parts == 1) return kernel;  // each query was answered by its only item
   // Merge the (exactly scored) candidates of each query's items.
   std::vector<size_t> first_item(static_cast<size_t>(a.nq) + 1, work.size());

@@ -82,6 +82,41 @@ struct BlockStore {
 // contiguous range [offsets[g], offsets[g + 1]) when list_rows is null), in that order.
 BlockStore arrange(const Rows& rows, const int64_t* offsets, const int64_t* list_rows, int64_t n_groups);
 
+// The sign layout of the two-stage scan. Row r decodes (by the search's plan) to levels o in R^D; its sign
+// vector s (s_c = +1 where o_c > 0, else -1) is stored as D bits in the fast-scan layout, with, per slot,
+//   gain  = scale_r * |o|^2 / sum_c |o_c|     (the estimate of scale_r * <q, o> is gain * <q, s>),
+//   bias  = bias_r,
+//   slack = |scale_r| * |o| * sqrt(1 - f^2) / (f * sqrt(D - 1)),  f = sum_c |o_c| / (sqrt(D) * |o|),
+// RaBitQ's estimator and error scale (Gao & Long, SIGMOD 2024) applied to the decoded row: under the random
+// rotation, |scale_r * <q, o> - gain * <q, s>| <= confidence * |q| * slack except with the probability of a
+// normal deviate beyond `confidence` standard deviations. The search scans the signs (1-bit steps, four
+// channels per nibble) and scores exactly only the rows whose estimate plus that bound beats its current k-th
+// exact score, reading their codes from a copy in the same slot order (a list's rows side by side).
+struct SignStore {
+  BlockStore blocks;         // codes: ceil(D / 8) sign bytes per row; scale: gain; bias: bias
+  std::vector<float> slack;  // per slot, in the blocks' lane order (0 for empty slots)
+  std::vector<float> scale;  // scale_r per slot, in lane order (0 for empty slots)
+  std::vector<uint8_t> codes;  // (slots, row_bytes): the row-major codes of each slot, in lane order
+  std::vector<int32_t> byte, shift, width, channel, offset;  // the plan that reads the sign bytes (levels +-1)
+  std::vector<float> level;
+
+  Plan plan() const;
+  size_t nbytes() const;
+};
+
+// What the search reads of a SignStore.
+struct SignBlocks {
+  Blocks blocks;
+  const float* slack;
+  const float* scale;
+  const uint8_t* codes;
+  Plan plan;
+};
+
+// The sign layout of `rows` read by `plan` (channels [0, channels)), grouped as in `arrange`.
+SignStore arrange_signs(const Rows& rows, const Plan& plan, int64_t channels, const int64_t* offsets,
+                        const int64_t* list_rows, int64_t n_groups);
+
 struct SearchArgs {
   Plan plan;
   Rows rows;
@@ -92,6 +127,8 @@ struct SearchArgs {
   int64_t k;
   int64_t rescore;        // candidates kept by approximate score (>= k); 0: exact scan (no quantized tables)
   const Blocks* blocks;   // the rows' fast-scan layout with the groups of `groups`; null: exact scan
+  const SignBlocks* signs;  // or their sign layout (two-stage scan; `blocks` unused); null: none
+  float confidence;       // the two-stage scan's bound in standard deviations
   int threads;
   float* out_values;      // (nq, k), best first; -inf padding
   int64_t* out_rows;      // (nq, k); -1 padding

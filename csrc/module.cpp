@@ -78,14 +78,17 @@ class PlanHandle {
   int32_t last_byte_ = -1, last_channel_ = -1;
 };
 
-// The rows a search reads: row-major codes (n, row_bytes) with their scale / bias (n,) or empty, grouped by
-// offsets (and list_rows, each in [0, n)), plus their fast-scan layout when `arrange` is set. Holds references
-// to the arrays, which must not change while it lives.
+// The rows a search reads: row-major codes (n, row_bytes) read by `plan`, with their scale / bias (n,) or empty,
+// grouped by offsets (and list_rows, each in [0, n)), plus a layout for the SIMD kernels: "nibbles" (the
+// fast-scan layout of the codes), "signs" (the sign layout of the two-stage scan) or "" (none: the exact kernel).
+// Holds references to the arrays, which must not change while it lives.
 class RowsHandle {
  public:
   RowsHandle(Array<uint8_t, nb::ndim<2>> packed, Array<float> scale, Array<float> bias, Array<int64_t, nb::ndim<1>> offsets,
-             Array<int64_t> list_rows, bool arrange)
+             Array<int64_t> list_rows, const PlanHandle& plan, const std::string& layout)
       : packed_(packed), scale_(scale), bias_(bias), offsets_(offsets), list_rows_(list_rows) {
+    require(layout.empty() || layout == "nibbles" || layout == "signs", "layout must be '', 'nibbles' or 'signs'");
+    require(plan.last_byte() < static_cast<int64_t>(packed.shape(1)), "the plan reads past the end of a row");
     const int64_t n = static_cast<int64_t>(packed.shape(0));
     require(scale.size() == 0 || scale.size() == static_cast<size_t>(n), "scale must have one entry per row");
     require(bias.size() == 0 || bias.size() == static_cast<size_t>(n), "bias must have one entry per row");
@@ -98,17 +101,23 @@ class RowsHandle {
       require(list_rows.data()[i] >= 0 && list_rows.data()[i] < n, "a list row lies outside the rows");
     rows_ = {packed.data(), n, static_cast<int64_t>(packed.shape(1)), optional_data(scale), optional_data(bias)};
     groups_ = {off, optional_data(list_rows), n_groups, nullptr, nullptr, 1};
-    if (arrange) {
-      nb::gil_scoped_release release;
+    nb::gil_scoped_release release;
+    if (layout == "nibbles") {
       blocks_ = tqvec::arrange(rows_, off, groups_.list_rows, n_groups);
       layout_ = blocks_->view();
+    } else if (layout == "signs") {
+      channels_ = plan.last_channel() + 1;
+      signs_ = tqvec::arrange_signs(rows_, plan.view(), channels_, off, groups_.list_rows, n_groups);
+      sign_view_ = {signs_->blocks.view(), signs_->slack.data(), signs_->scale.data(), signs_->codes.data(), signs_->plan()};
     }
   }
 
   const tqvec::Rows& rows() const { return rows_; }
   const tqvec::Groups& groups() const { return groups_; }
   const tqvec::Blocks* layout() const { return blocks_ ? &layout_ : nullptr; }
-  size_t layout_nbytes() const { return blocks_ ? blocks_->nbytes() : 0; }
+  const tqvec::SignBlocks* signs() const { return signs_ ? &sign_view_ : nullptr; }
+  int64_t sign_channels() const { return channels_; }
+  size_t layout_nbytes() const { return blocks_ ? blocks_->nbytes() : signs_ ? signs_->nbytes() : 0; }
 
  private:
   Array<uint8_t, nb::ndim<2>> packed_;  // the arrays stay referenced while the handle lives
@@ -119,6 +128,9 @@ class RowsHandle {
   tqvec::Groups groups_{};
   std::optional<tqvec::BlockStore> blocks_;
   tqvec::Blocks layout_{};
+  std::optional<tqvec::SignStore> signs_;
+  tqvec::SignBlocks sign_view_{};
+  int64_t channels_ = 0;
 };
 
 // What an index does to its queries before the scan (tqvec::QueryTransform and tqvec::Coarse), holding its arrays.
@@ -156,10 +168,13 @@ class QueryHandle {
 // values / rows (nq, k). Returns the kernel's name.
 const char* run_search(const PlanHandle& plan, const RowsHandle& source, const float* queries, int64_t nq, int64_t dim,
                        const int64_t* probe, const float* probe_constant, int64_t n_probe, int64_t k, int64_t rescore,
-                       int threads, int max_isa, float* values, int64_t* rows) {
+                       float confidence, int threads, int max_isa, float* values, int64_t* rows) {
   require(plan.last_byte() < source.rows().row_bytes, "the plan reads past the end of a row");
   require(plan.last_channel() < dim, "the plan reads a channel the queries do not have");
+  require(source.signs() == nullptr || source.sign_channels() == plan.last_channel() + 1,
+          "the rows' sign layout was built for another plan");
   require(k >= 1 && rescore >= 0, "k must be positive and rescore non-negative");
+  require(confidence > 0.0f, "confidence must be positive");
   tqvec::Groups groups = source.groups();
   if (probe) {
     groups.probe = probe;
@@ -168,8 +183,8 @@ const char* run_search(const PlanHandle& plan, const RowsHandle& source, const f
   } else {
     require(groups.n_groups == 1, "several groups need probe");
   }
-  const tqvec::SearchArgs args{plan.view(), source.rows(), groups, queries, nq, dim, k, rescore, source.layout(), threads,
-                               values, rows};
+  const tqvec::SearchArgs args{plan.view(), source.rows(), groups, queries, nq, dim, k, rescore, source.layout(),
+                               source.signs(), confidence, threads, values, rows};
   nb::gil_scoped_release release;
   return tqvec::search(args, static_cast<tqvec::Isa>(std::clamp(max_isa, 0, 2)));
 }
@@ -183,7 +198,7 @@ nb::ndarray<nb::numpy, T, nb::ndim<2>> owned(T* data, int64_t nq, int64_t k) {
 }
 
 nb::tuple search(const PlanHandle& plan, const RowsHandle& source, Array<float, nb::ndim<2>> queries, Array<int64_t> probe,
-                 Array<float> probe_constant, int64_t k, int64_t rescore, int threads, int max_isa) {
+                 Array<float> probe_constant, int64_t k, int64_t rescore, float confidence, int threads, int max_isa) {
   const int64_t nq = static_cast<int64_t>(queries.shape(0));
   int64_t n_probe = 1;
   if (probe.size()) {
@@ -197,7 +212,7 @@ nb::tuple search(const PlanHandle& plan, const RowsHandle& source, Array<float, 
   auto out_values = owned(values, nq, k);
   auto out_rows = owned(rows, nq, k);
   const char* kernel = run_search(plan, source, queries.data(), nq, static_cast<int64_t>(queries.shape(1)), optional_data(probe),
-                                  optional_data(probe_constant), n_probe, k, rescore, threads, max_isa, values, rows);
+                                  optional_data(probe_constant), n_probe, k, rescore, confidence, threads, max_isa, values, rows);
   return nb::make_tuple(out_values, out_rows, kernel);
 }
 
@@ -207,7 +222,7 @@ nb::tuple search(const PlanHandle& plan, const RowsHandle& source, Array<float, 
 // I -1, D -inf (+inf for l2). Equal distances come in id order.
 nb::tuple search_queries(const PlanHandle& plan, const RowsHandle& source, const QueryHandle& prep,
                          Array<float, nb::ndim<2>> queries, Array<int64_t, nb::ndim<1>> ids, bool l2, int64_t n_probe,
-                         int64_t k, int64_t rescore, int threads, int max_isa) {
+                         int64_t k, int64_t rescore, float confidence, int threads, int max_isa) {
   const int64_t nq = static_cast<int64_t>(queries.shape(0)), dim = prep.transform().dim;
   require(static_cast<int64_t>(queries.shape(1)) == dim, "queries have the wrong dimension");
   require(static_cast<int64_t>(ids.shape(0)) == source.rows().n, "ids must name every row");
@@ -232,7 +247,7 @@ nb::tuple search_queries(const PlanHandle& plan, const RowsHandle& source, const
   auto out_distances = owned(distances, nq, k);
   auto out_labels = owned(labels, nq, k);
   const char* kernel = run_search(plan, source, rotated.data(), nq, prep.transform().out_dim, probe.data(), constant.data(),
-                                  n_probe, k, rescore, threads, max_isa, distances, labels);
+                                  n_probe, k, rescore, confidence, threads, max_isa, distances, labels);
   const float none = l2 ? std::numeric_limits<float>::infinity() : -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < nq; ++i) {
     float squared = 0.0f;
@@ -309,17 +324,20 @@ NB_MODULE(_native, m) {
                     Array<int32_t, nb::ndim<2>>, Array<int32_t, nb::ndim<1>>, Array<float, nb::ndim<1>>>(),
            nb::arg("byte"), nb::arg("shift"), nb::arg("width"), nb::arg("channel"), nb::arg("offset"), nb::arg("level"));
   nb::class_<RowsHandle>(m, "Rows", "Rows to search: codes, side fields, groups and their fast-scan layout.")
-      .def(nb::init<Array<uint8_t, nb::ndim<2>>, Array<float>, Array<float>, Array<int64_t, nb::ndim<1>>, Array<int64_t>, bool>(),
-           nb::arg("packed"), nb::arg("scale"), nb::arg("bias"), nb::arg("offsets"), nb::arg("list_rows"), nb::arg("arrange"))
+      .def(nb::init<Array<uint8_t, nb::ndim<2>>, Array<float>, Array<float>, Array<int64_t, nb::ndim<1>>, Array<int64_t>,
+                    const PlanHandle&, const std::string&>(),
+           nb::arg("packed"), nb::arg("scale"), nb::arg("bias"), nb::arg("offsets"), nb::arg("list_rows"), nb::arg("plan"),
+           nb::arg("layout"))
       .def_prop_ro("layout_nbytes", &RowsHandle::layout_nbytes, "Bytes of the fast-scan layout (0 when not arranged).");
   m.def("search", &search, nb::arg("plan"), nb::arg("rows"), nb::arg("queries"), nb::arg("probe"), nb::arg("probe_constant"),
-        nb::arg("k"), nb::arg("rescore"), nb::arg("threads"), nb::arg("max_isa"));
+        nb::arg("k"), nb::arg("rescore"), nb::arg("confidence"), nb::arg("threads"), nb::arg("max_isa"));
   nb::class_<QueryHandle>(m, "Queries", "What an index does to its queries before the scan.")
       .def(nb::init<int64_t, Array<float>, Array<float>, bool, Array<float>, Array<float>, Array<float>, bool, Array<float>>(),
            nb::arg("dim"), nb::arg("rotation"), nb::arg("signs"), nb::arg("normalize"), nb::arg("center"), nb::arg("centroids"),
            nb::arg("half_squared"), nb::arg("residual"), nb::arg("base"));
   m.def("search_queries", &search_queries, nb::arg("plan"), nb::arg("rows"), nb::arg("prep"), nb::arg("queries"),
-        nb::arg("ids"), nb::arg("l2"), nb::arg("n_probe"), nb::arg("k"), nb::arg("rescore"), nb::arg("threads"), nb::arg("max_isa"));
+        nb::arg("ids"), nb::arg("l2"), nb::arg("n_probe"), nb::arg("k"), nb::arg("rescore"), nb::arg("confidence"),
+        nb::arg("threads"), nb::arg("max_isa"));
   m.def("decode_attention", &decode_attention, nb::arg("key_plan"), nb::arg("keys"), nb::arg("key_scale"),
         nb::arg("value_plan"), nb::arg("values"), nb::arg("value_scale"), nb::arg("queries"), nb::arg("value_dim"),
         nb::arg("n"), nb::arg("valid"), nb::arg("heads_per_batch"), nb::arg("threads"));

@@ -37,7 +37,8 @@ __attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* 
   alignas(32) float part[8];
   _mm256_store_ps(part, _mm256_add_ps(s0, s1));
   float s = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-  return s + dot_scalar(a + i, b + i, n - i);
+  for (; i < n; ++i) s += a[i] * b[i];  // inline: a call into baseline (SSE) code from here costs more than the tail
+  return s;
 }
 #endif
 
@@ -64,16 +65,49 @@ __attribute__((target("avx2,fma"))) void matvec_avx2(const float* m, int64_t row
     for (int i = 0; i < 4; ++i) {
       alignas(32) float part[8];
       _mm256_store_ps(part, _mm256_add_ps(acc[2 * i], acc[2 * i + 1]));
-      const float head = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-      y[r + i] = head + dot_scalar(m + (r + i) * n + c, x + c, n - c);
+      float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+      for (int64_t d = c; d < n; ++d) sum += m[(r + i) * n + d] * x[d];
+      y[r + i] = sum;
     }
   }
   for (; r < rows; ++r) y[r] = dot_avx2(m + r * n, x, n);
 }
 #endif
 
+// y[j * rows + r] = <m[r], x[j]> for the rows r of m and the g rows x[j] of x (g <= kQueryBlock): each row of m
+// is read once for all of them.
+constexpr int64_t kQueryBlock = 8;
+
+void matmat_scalar(const float* m, int64_t rows, int64_t n, const float* x, int64_t g, float* y) {
+  for (int64_t j = 0; j < g; ++j) matvec_scalar(m, rows, n, x + j * n, y + j * rows);
+}
+
+#ifdef TQVEC_X86
+__attribute__((target("avx2,fma"))) void matmat_avx2(const float* m, int64_t rows, int64_t n, const float* x, int64_t g,
+                                                     float* y) {
+  if (g == 1) return matvec_avx2(m, rows, n, x, y);
+  const int64_t wide = n / 8 * 8;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = m + r * n;
+    __m256 acc[kQueryBlock];
+    for (int64_t j = 0; j < g; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < wide; c += 8) {
+      const __m256 v = _mm256_loadu_ps(row + c);
+      for (int64_t j = 0; j < g; ++j) acc[j] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + j * n + c), acc[j]);
+    }
+    for (int64_t j = 0; j < g; ++j) {
+      alignas(32) float part[8];
+      _mm256_store_ps(part, acc[j]);
+      float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+      for (int64_t d = wide; d < n; ++d) sum += row[d] * x[j * n + d];
+      y[j * rows + r] = sum;
+    }
+  }
+}
+#endif
+
 using Dot = float (*)(const float*, const float*, int64_t);
-using Matvec = void (*)(const float*, int64_t, int64_t, const float*, float*);
+using Matmat = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*);
 
 Dot pick_dot() {
 #ifdef TQVEC_X86
@@ -82,11 +116,11 @@ Dot pick_dot() {
   return dot_scalar;
 }
 
-Matvec pick_matvec() {
+Matmat pick_matmat() {
 #ifdef TQVEC_X86
-  if (has_avx2()) return matvec_avx2;
+  if (has_avx2()) return matmat_avx2;
 #endif
-  return matvec_scalar;
+  return matmat_scalar;
 }
 
 // In-place unnormalized Walsh-Hadamard transform of x (n a power of two).
@@ -105,52 +139,62 @@ void walsh_hadamard(float* x, int64_t n) {
 void prepare_queries(const QueryTransform& t, const Coarse& c, const float* queries, int64_t nq, int threads,
                      float* rotated, int64_t* probe, float* probe_constant) {
   const Dot dot = pick_dot();
-  const Matvec matvec = pick_matvec();
+  const Matmat matmat = pick_matmat();
   const int64_t n_probe = c.n_lists ? c.n_probe : 1;
   const float center_squared = t.center ? dot(t.center, t.center, t.dim) : 0.0f;
-  parallel_for(static_cast<size_t>(nq), threads, [&](size_t begin, size_t end) {
-    std::vector<float> q(static_cast<size_t>(t.dim)), padded(static_cast<size_t>(t.out_dim));
-    std::vector<float> closeness(static_cast<size_t>(c.n_lists)), product(static_cast<size_t>(c.n_lists));
+  // Blocks of up to kQueryBlock queries share each pass over the rotation and the centroids.
+  const size_t blocks = static_cast<size_t>((nq + kQueryBlock - 1) / kQueryBlock);
+  parallel_for(blocks, threads, [&](size_t begin, size_t end) {
+    std::vector<float> q(static_cast<size_t>(kQueryBlock * t.dim)), padded(static_cast<size_t>(t.out_dim));
+    std::vector<float> product(static_cast<size_t>(kQueryBlock * c.n_lists)), closeness(static_cast<size_t>(c.n_lists));
     std::vector<int64_t> order(static_cast<size_t>(c.n_lists));
-    for (size_t i = begin; i < end; ++i) {
-      std::copy(queries + i * t.dim, queries + (i + 1) * t.dim, q.begin());
-      if (t.normalize) {
-        const float norm = std::sqrt(dot(q.data(), q.data(), t.dim));
-        const float scale = 1.0f / std::max(norm, kNormalizeEps);
-        for (float& v : q) v *= scale;
+    for (size_t block = begin; block < end; ++block) {
+      const int64_t first = static_cast<int64_t>(block) * kQueryBlock, g = std::min(kQueryBlock, nq - first);
+      std::copy(queries + first * t.dim, queries + (first + g) * t.dim, q.begin());
+      for (int64_t j = 0; t.normalize && j < g; ++j) {
+        float* v = q.data() + j * t.dim;
+        const float scale = 1.0f / std::max(std::sqrt(dot(v, v, t.dim)), kNormalizeEps);
+        for (int64_t d = 0; d < t.dim; ++d) v[d] *= scale;
       }
-      float* out_probe_constant = probe_constant + i * n_probe;
-      int64_t* out_probe = probe + i * n_probe;
-      if (c.n_lists) {
-        matvec(c.centroids, c.n_lists, t.dim, q.data(), product.data());
-        for (int64_t l = 0; l < c.n_lists; ++l) closeness[l] = c.half_squared ? product[l] - c.half_squared[l] : product[l];
-        std::iota(order.begin(), order.end(), int64_t{0});
-        std::partial_sort(order.begin(), order.begin() + n_probe, order.end(), [&](int64_t x, int64_t y) {
-          return closeness[x] > closeness[y] || (closeness[x] == closeness[y] && x < y);
-        });
-        const float base = c.base ? dot(q.data(), c.base, t.dim) : 0.0f;
-        for (int64_t p = 0; p < n_probe; ++p) {
-          out_probe[p] = order[p];
-          out_probe_constant[p] = c.residual ? product[order[p]] : base;
+      if (c.n_lists) matmat(c.centroids, c.n_lists, t.dim, q.data(), g, product.data());
+      for (int64_t j = 0; j < g; ++j) {
+        const int64_t i = first + j;
+        float* v = q.data() + j * t.dim;
+        float* out_probe_constant = probe_constant + i * n_probe;
+        int64_t* out_probe = probe + i * n_probe;
+        if (c.n_lists) {
+          const float* p = product.data() + j * c.n_lists;
+          for (int64_t l = 0; l < c.n_lists; ++l) closeness[l] = c.half_squared ? p[l] - c.half_squared[l] : p[l];
+          std::iota(order.begin(), order.end(), int64_t{0});
+          std::partial_sort(order.begin(), order.begin() + n_probe, order.end(), [&](int64_t x, int64_t y) {
+            return closeness[x] > closeness[y] || (closeness[x] == closeness[y] && x < y);
+          });
+          const float base = c.base ? dot(v, c.base, t.dim) : 0.0f;
+          for (int64_t k = 0; k < n_probe; ++k) {
+            out_probe[k] = order[k];
+            out_probe_constant[k] = c.residual ? p[order[k]] : base;
+          }
+        } else {
+          out_probe[0] = 0;
+          out_probe_constant[0] = t.center ? dot(v, t.center, t.dim) - center_squared : 0.0f;
+          if (t.center)
+            for (int64_t d = 0; d < t.dim; ++d) v[d] -= t.center[d];
         }
-      } else {
-        out_probe[0] = 0;
-        out_probe_constant[0] = t.center ? dot(q.data(), t.center, t.dim) - center_squared : 0.0f;
-        if (t.center)
-          for (int64_t d = 0; d < t.dim; ++d) q[d] -= t.center[d];
       }
-      float* out = rotated + i * t.out_dim;
+      float* out = rotated + first * t.out_dim;
       if (t.rotation) {
-        matvec(t.rotation, t.out_dim, t.dim, q.data(), out);
-      } else {
+        matmat(t.rotation, t.out_dim, t.dim, q.data(), g, out);
+        continue;
+      }
+      for (int64_t j = 0; j < g; ++j) {
         std::fill(padded.begin(), padded.end(), 0.0f);
-        for (int64_t d = 0; d < t.dim; ++d) padded[d] = q[d] * t.signs[d];
+        for (int64_t d = 0; d < t.dim; ++d) padded[d] = q[j * t.dim + d] * t.signs[d];
         walsh_hadamard(padded.data(), t.out_dim);
         const float scale = 1.0f / std::sqrt(static_cast<float>(t.out_dim));
-        for (int64_t r = 0; r < t.out_dim; ++r) out[r] = padded[r] * scale;
+        for (int64_t r = 0; r < t.out_dim; ++r) out[j * t.out_dim + r] = padded[r] * scale;
       }
     }
-  }, 8);
+  });
 }
 
 }  // namespace tqvec

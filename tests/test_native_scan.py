@@ -34,6 +34,15 @@ def kernel():
     _fastscan.set_cpu_kernel(before)
 
 
+@pytest.fixture(params=["nibbles", "signs"])
+def layout(request, monkeypatch) -> str:
+    """Both SIMD scans on these small dimensions: one stage (8-bit tables of the codes, then the best candidates
+    re-scored), and two stages (signs, then exact scores of the rows whose bound reaches the k-th best), which
+    otherwise serves only codes of at least TWO_STAGE_MIN_CHANNELS channels."""
+    monkeypatch.setattr(_fastscan, "TWO_STAGE_MIN_CHANNELS", 1 if request.param == "signs" else 1 << 30)
+    return request.param
+
+
 def _assert_same_results(ref: tuple[np.ndarray, np.ndarray], got: tuple[np.ndarray, np.ndarray]) -> None:
     (d_ref, i_ref), (d_got, i_got) = ref, got
     finite = np.isfinite(d_ref)
@@ -63,7 +72,7 @@ def _data(n: int, d: int, seed: int) -> np.ndarray:
 @pytest.mark.parametrize("bits,correction", [(1, "auto"), (1.5, "none"), (2, "center"), (2.5, "rescale"),
                                              (3, "auto"), (3.5, "center"), (4, "none"), (4, "rescale"),
                                              (4, "center"), (4.5, "auto"), (8, "auto")])
-def test_flat_index_matches_torch(kernel, metric: str, bits: float, correction: str) -> None:
+def test_flat_index_matches_torch(kernel, layout: str, metric: str, bits: float, correction: str) -> None:
     """Odd sizes: d = 93 (not a multiple of 8), n = 1,001 (not of 32), with removals."""
     x, q = _data(1001, 93, seed=1), _data(13, 93, seed=2)
     index = Index(93, bits, metric, correction=correction, seed=3)
@@ -78,7 +87,7 @@ def test_flat_index_matches_torch(kernel, metric: str, bits: float, correction: 
 
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
 @pytest.mark.parametrize("encoding", ["residual", "direct"])
-def test_ivf_index_matches_torch(kernel, metric: str, encoding: str) -> None:
+def test_ivf_index_matches_torch(kernel, layout: str, metric: str, encoding: str) -> None:
     x, q = _data(3001, 40, seed=4), _data(17, 40, seed=5)
     index = IVFIndex(40, 24, 3.5, metric, encoding=encoding, seed=6)
     index.add(x)
@@ -102,8 +111,8 @@ def test_hadamard_rotation_and_zero_queries_match_torch(kernel, metric: str) -> 
         _assert_same_results(*_search_both(kernel, index, q, 10, **kw))
 
 
-@pytest.mark.parametrize("dim,bits", [(67, 2.7), (93, 4), (384, 4), (50, 1), (64, 2)])
-def test_every_kernel_returns_the_same_rows(dim: int, bits: float) -> None:
+@pytest.mark.parametrize("dim,bits", [(67, 2.7), (93, 4), (384, 4), (50, 1), (64, 2), (200, 8), (45, 3)])
+def test_every_kernel_returns_the_same_rows(layout: str, dim: int, bits: float) -> None:
     """The scalar kernel (exact float tables for every row) and the fast scans (8-bit tables, then an exact
     re-score of the best candidates; AVX2, and AVX-512 where the CPU has it) return the same rows: 4-, 3-, 2- and
     1-bit segments, straddling tails, odd and even runs of nibble pairs, lists of sizes not a multiple of 32."""
@@ -118,9 +127,11 @@ def test_every_kernel_returns_the_same_rows(dim: int, bits: float) -> None:
     constant = np.random.default_rng(4).standard_normal(probe.shape).astype(np.float32)
     source = _fastscan.rows(codes.packed, codes.scales, None, plan, lists)
     out = {}
+    chosen = _fastscan.layout(plan)  # no layout (wide codes, one stage): only the scalar kernel runs
     for isa, name in enumerate(_fastscan.kernels()):
-        values, rows, used = _fastscan._native.search(plan.handle, source, rotated.numpy(), probe, constant, 10, 64, 1, isa)
-        assert used == name
+        values, rows, used = _fastscan._native.search(plan.handle, source, rotated.numpy(), probe, constant, 10, 64,
+                                                      _fastscan.CONFIDENCE, 1, isa)
+        assert used == ("scalar" if not isa or not chosen else name + ("-signs" if chosen == "signs" else ""))
         out[name] = (values, rows)
     for name in _fastscan.kernels()[1:]:
         _assert_same_results(out["scalar"], out[name])

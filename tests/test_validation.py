@@ -154,6 +154,46 @@ def test_finiteness_check_fast_path_is_exact() -> None:
     assert 3 * 8e17**2 > validation.MAX_SQUARED_NORM > 8e17**2
 
 
+def _error(call, *args) -> str | None:
+    try:
+        call(*args)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+HUGE = np.zeros((3, DIM), np.float32)
+HUGE[2] = 1e18  # finite, but its squared norm overflows float32 scoring
+
+
+@pytest.mark.parametrize("bad, message", [*BAD_INPUTS, (HUGE, "row 2 has squared L2 norm")])
+def test_as_float_array_raises_as_float_matrix_does(bad: object, message: str) -> None:
+    """The numpy fast path of the native search (float32 C-contiguous input) and its fallback raise exactly the
+    errors of as_float_matrix, also through Index.search and IVFIndex.search."""
+    from tqvec import Index, IVFIndex
+
+    expected = _error(validation.as_float_matrix, bad, DIM, "queries")
+    assert expected is not None and message in expected
+    assert _error(validation.as_float_array, bad, DIM, "queries") == expected
+    flat, ivf = Index(DIM, 4, "l2"), IVFIndex(DIM, 2, 4, "l2")
+    flat.add(good(100))
+    ivf.add(good(100))
+    assert _error(flat.search, bad, 3) == expected
+    assert _error(ivf.search, bad, 3) == expected
+
+
+@pytest.mark.parametrize("x", [
+    good(), good(0), good().astype(np.float64), good().astype(np.float16), np.asfortranarray(good()),
+    good(8)[::2], np.full((2, DIM), 1e17, np.float32), torch.from_numpy(good()), torch.from_numpy(good()).bfloat16(),
+], ids=["float32", "empty", "float64", "float16", "fortran", "strided", "large", "torch", "bfloat16"])
+def test_as_float_array_equals_as_float_matrix(x: object) -> None:
+    out = validation.as_float_array(x, DIM)
+    assert out.dtype == np.float32 and out.flags.c_contiguous
+    np.testing.assert_array_equal(out, validation.as_float_matrix(x, DIM).numpy())
+    if isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous:
+        assert out is x  # checked in place, no copy
+
+
 def test_requires_grad_is_detached() -> None:
     x = torch.ones(2, 3, requires_grad=True)
     out = validation.as_float_matrix(x, 3)

@@ -41,6 +41,13 @@ RESCORE_PER_RESULT = 2
 _setting = {"kernel": os.environ.get("TQVEC_CPU_KERNEL", "auto")}
 #: the native kernel's instruction-set cap: 0 scalar, 1 AVX2, 2 AVX-512 (the best this CPU has is used)
 MAX_ISA = 2
+#: codes of at least this many bits per channel (on average) ...
+TWO_STAGE_MIN_BITS = 3
+#: ... and at least this many channels are scanned in two stages, signs first (the sign estimate's error
+#: shrinks as 1/sqrt(channels): at 50 channels too many rows need their exact score, at 384 few do)
+TWO_STAGE_MIN_CHANNELS = 128
+#: the two-stage scan's bound, in standard deviations of its sign estimate
+CONFIDENCE = 3.0
 
 
 def set_cpu_kernel(kernel: str) -> None:
@@ -110,6 +117,16 @@ class Plan:
         """True when every step has at most 4 bits (what the fast scan reads)."""
         return bool(np.all(self.width <= 4))
 
+    @functools.cached_property
+    def channels(self) -> int:
+        """Query channels the steps read."""
+        return int(np.count_nonzero(self.channel >= 0))
+
+    @functools.cached_property
+    def bits_per_channel(self) -> float:
+        """Code bits per channel read, on average (0 for a plan without channels)."""
+        return float(self.width.sum()) / self.channels if self.channels else 0.0
+
 
 def plan(layout: Layout, levels: torch.Tensor) -> Plan:
     """The steps that read ``layout`` (codebook ``levels`` ``(segments, 256)``): two 2-bit or four 1-bit channels
@@ -177,18 +194,26 @@ def _array(t: torch.Tensor | None, dtype: type) -> np.ndarray:
     return array if array.dtype == dtype and array.flags.c_contiguous else np.ascontiguousarray(array, dtype=dtype)
 
 
-def fast_scan(steps: Plan) -> bool:
-    """True when searches read by ``steps`` run the SIMD fast scan on this CPU (every step of at most 4 bits)."""
-    return simd() and steps.narrow
+def layout(steps: Plan) -> str:
+    """The layout :func:`rows` builds for codes read by ``steps`` on this CPU: ``"signs"`` (the two-stage scan, for
+    codes of at least :data:`TWO_STAGE_MIN_BITS` bits per channel and :data:`TWO_STAGE_MIN_CHANNELS` channels),
+    ``"nibbles"`` (the one-stage fast scan, every step of at most 4 bits), or ``""`` (the exact kernel: no AVX2,
+    or other codes with wider steps)."""
+    if not simd():
+        return ""
+    if steps.bits_per_channel >= TWO_STAGE_MIN_BITS and steps.channels >= TWO_STAGE_MIN_CHANNELS:
+        return "signs"
+    return "nibbles" if steps.narrow else ""
 
 
 def rows(packed: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, steps: Plan,
          lists: Lists | None = None) -> _native.Rows:
     """What :func:`search` reads, checked and held once per index snapshot: ``packed`` ``(n, row_bytes)`` codes with
-    their ``scale`` / ``bias`` ``(n,)`` (None: 1 / 0), grouped by ``lists`` (None: one group of all rows), and, where
-    ``steps`` run the fast scan (:func:`fast_scan`), their fast-scan layout: each list's rows in blocks of 32,
-    byte-major within a block (the kernel scans it; it reads the row-major codes only to re-score). The arrays
-    must not change while the result lives (index snapshots never change).
+    their ``scale`` / ``bias`` ``(n,)`` (None: 1 / 0), grouped by ``lists`` (None: one group of all rows), and the
+    layout the SIMD kernel scans (:func:`layout`): each list's rows in blocks of 32, byte-major within a block, of
+    the codes (one stage) or of their sign bits with each row's estimate gain and error scale (two stages). The
+    kernel reads the row-major codes only to score candidates exactly. The arrays must not change while the result
+    lives (index snapshots never change).
 
     Raises
     ------
@@ -199,7 +224,7 @@ def rows(packed: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | 
         raise RuntimeError("the native CPU kernel is not built: reinstall tqvec with a C++17 compiler present")
     lists = lists or Lists(np.array([0, packed.shape[0]], np.int64), _NONE[np.dtype(np.int64)])
     return _native.Rows(_array(packed, np.uint8), _array(scale, np.float32), _array(bias, np.float32), lists.offsets,
-                        lists.rows, fast_scan(steps))
+                        lists.rows, steps.handle, layout(steps))
 
 
 def search(queries: np.ndarray, source: _native.Rows, steps: Plan, k: int,
@@ -212,7 +237,7 @@ def search(queries: np.ndarray, source: _native.Rows, steps: Plan, k: int,
     """
     probe, constant = (probes.lists, probes.constant) if probes is not None else _NO_PROBE
     values, found, _ = _native.search(steps.handle, source, np.ascontiguousarray(queries, np.float32), probe, constant,
-                                      int(k), rescore_count(k), max(1, torch.get_num_threads()), MAX_ISA)
+                                      int(k), rescore_count(k), CONFIDENCE, max(1, torch.get_num_threads()), MAX_ISA)
     return values, found
 
 
@@ -241,7 +266,7 @@ def search_queries(queries: np.ndarray, source: _native.Rows, steps: Plan, prep:
     or with ``l2`` the distances ``‖q‖² − 2·score``; −1 and −inf (+inf for ``l2``) where fewer than ``k`` rows exist.
     """
     distances, labels, _ = _native.search_queries(steps.handle, source, prep, np.ascontiguousarray(queries, np.float32),
-                                                  ids, l2, int(nprobe), int(k), rescore_count(k),
+                                                  ids, l2, int(nprobe), int(k), rescore_count(k), CONFIDENCE,
                                                   max(1, torch.get_num_threads()), MAX_ISA)
     return distances, labels
 

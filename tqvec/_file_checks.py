@@ -6,18 +6,17 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 
 from ._rows import SIDE_NAMES
 from .validation import (
     MAX_SQUARED_NORM,
     check_array,
+    check_array_norms,
     check_bits,
     check_file_ids,
     check_meta,
     check_positive_int,
     check_row_budget,
-    check_row_norms,
     check_seed,
 )
 
@@ -39,7 +38,7 @@ def _common(meta: dict, arrays: dict[str, np.ndarray], strings: tuple[str, ...])
 def _float_rows(arrays: dict[str, np.ndarray], name: str, shape: tuple[int, ...]) -> np.ndarray:
     """A stored float32 vector or matrix whose rows must be valid inputs (finite, norms within range)."""
     values = check_array(arrays, name, "<f4", shape, bound=math.sqrt(MAX_SQUARED_NORM))
-    check_row_norms(torch.from_numpy(np.array(values, np.float32)).reshape(-1, shape[-1]), name)
+    check_array_norms(values.reshape(-1, shape[-1]), name)
     return values
 
 

@@ -62,6 +62,7 @@ from .packing import write_tail
 from .quantizer import Codes, TurboQuantizer
 from .rotation import rotated_dim, rowwise_matmul
 from .validation import (
+    as_float_array,
     as_float_matrix,
     as_ids,
     check_bits,
@@ -292,13 +293,13 @@ class Index(CodedRows):
         ``rerank=R`` rescores the best ``R·k`` candidates with the finer code (needs ``rerank_bits``).
         """
         k = check_positive_int("k", k)
+        if rerank is None and scan.native_queries(self.device, self.quantizer.mode):
+            return self._search_native(as_float_array(queries, self.dim, "queries"), k)
         q = as_float_matrix(queries, self.dim, "queries", self.device)
         if rerank is not None:
             rerank = check_positive_int("rerank", rerank)
             if self.fine_quantizer is None:
                 raise ValueError("rerank needs an index built with rerank_bits")
-        if rerank is None and scan.native_queries(q, self.quantizer.mode):
-            return self._search_native(q.numpy(), k)
         if self.metric == "cosine":
             q = torch.nn.functional.normalize(q, dim=1)
         published = self._rows  # consistent snapshot (module docstring)

@@ -50,7 +50,7 @@ from ._ivf_search import search_torch
 from ._rows import CodedRows, ListSnapshot, check_rows, new_ids, rows_of_ids, side_fields_for, sort_ids
 from .kmeans import assign_nearest, kmeans
 from .quantizer import Codes, TurboQuantizer
-from .validation import as_float_matrix, as_ids, check_bits, check_choice, check_positive_int
+from .validation import as_float_array, as_float_matrix, as_ids, check_bits, check_choice, check_positive_int
 
 ENCODINGS = ("residual", "direct")
 #: "auto" picks "center" when scale + bias take at most this share of the budget (IVF's own rule, measured:
@@ -126,7 +126,8 @@ class IVFIndex(CodedRows):
             self.fine_quantizer = TurboQuantizer(dim, check_bits(rerank_bits), "mse", rotation=rotation, seed=seed + 1,
                                                  rescale=True)
         self.centroids: torch.Tensor | None = None  # (nlist, dim) float32
-        self._query_prep: tuple[tuple, object] | None = None  # (centroids, center) -> the native query preparation
+        # (centroids, center, the native query preparation made from them)
+        self._query_prep: tuple[torch.Tensor, torch.Tensor | None, object] | None = None
         self._center: torch.Tensor | None = None
         self._center_pending = encoding == "direct" and correction == "center"
         self._lock = threading.Lock()
@@ -352,13 +353,14 @@ class IVFIndex(CodedRows):
         """
         k = check_positive_int("k", k)
         nprobe = self.nprobe if nprobe is None else check_positive_int("nprobe", nprobe)
+        snap = self._snap  # consistent snapshot (module docstring)
+        if rerank is None and snap.size and self.centroids is not None and scan.native_queries(self.device, self.mode):
+            return self._search_native(snap, as_float_array(queries, self.dim, "queries"), k, min(nprobe, self.nlist))
         q = as_float_matrix(queries, self.dim, "queries", self.device)
         if rerank is not None:
             rerank = check_positive_int("rerank", rerank)
             if self.fine_quantizer is None:
                 raise ValueError("rerank needs an index built with rerank_bits")
-        if rerank is None and scan.native_queries(q, self.mode) and self._snap.size and self.centroids is not None:
-            return self._search_native(q.numpy(), k, min(nprobe, self.nlist))
         return search_torch(self, q, k, nprobe, rerank)
 
     def _scan_block(self, snap: ListSnapshot) -> scan.CodeBlock:
@@ -369,17 +371,17 @@ class IVFIndex(CodedRows):
             snap.cache["block"] = self.quantizer.code_block(self._codes(coded), bias)
         return snap.cache["block"]
 
-    def _search_native(self, x: np.ndarray, k: int, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`search` of validated CPU queries ``x`` ``(nq, dim)`` on a non-empty trained index, in one native
-        call (:func:`tqvec.scan.search_queries`: normalizing, probing and rotating happen in the kernel)."""
-        snap, centroids, center = self._snap, self.centroids, self._center
-        key = (centroids, center)
-        if self._query_prep is None or any(a is not b for a, b in zip(self._query_prep[0], key)):
+    def _search_native(self, snap: ListSnapshot, x: np.ndarray, k: int, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`search` of validated CPU queries ``x`` ``(nq, dim)`` over the rows of ``snap`` (non-empty, of a trained
+        index), in one native call (:func:`tqvec.scan.search_queries`: normalizing, probing and rotating happen in the
+        kernel)."""
+        centroids, center, cached = self.centroids, self._center, self._query_prep
+        if cached is None or cached[0] is not centroids or cached[1] is not center:
             base = center if self.encoding == "direct" else None
             prep = _fastscan.query_prep(self.quantizer.rotation, self.metric == "cosine", None, centroids,
                                         by_ip=self.metric == "ip", residual=self.encoding == "residual", base=base)
-            self._query_prep = (key, prep)
-        return scan.search_queries(x, self._scan_block(snap), self.quantizer.table(self.device), self._query_prep[1], k,
+            cached = self._query_prep = (centroids, center, prep)
+        return scan.search_queries(x, self._scan_block(snap), self.quantizer.table(self.device), cached[2], k,
                                    snap.ids, self.metric == "l2", snap.list_table, nprobe)
 
     # ------------------------------------------------------------------ persistence

@@ -147,12 +147,11 @@ def native_serves(queries: torch.Tensor, block: CodeBlock, table: CodeTable) -> 
     return reason is None
 
 
-def native_queries(queries: torch.Tensor, mode: str) -> bool:
-    """True when an index search of validated ``queries`` (on the index's device) runs natively end to end
-    (:func:`search_queries`): CPU queries, codes without QJL signs (``mode="mse"``), the extension built and the
-    CPU kernel not set to ``"torch"``. Indexes fall back to their torch path otherwise (and for rerank)."""
-    return (mode == "mse" and queries.device.type == "cpu" and _fastscan.available()
-            and _fastscan.cpu_kernel() != "torch")
+def native_queries(device: torch.device, mode: str) -> bool:
+    """True when an index search on ``device`` runs natively end to end (:func:`search_queries`): a CPU index,
+    codes without QJL signs (``mode="mse"``), the extension built and the CPU kernel not set to ``"torch"``.
+    Indexes fall back to their torch path otherwise (and for rerank)."""
+    return mode == "mse" and device.type == "cpu" and _fastscan.available() and _fastscan.cpu_kernel() != "torch"
 
 
 def scores(queries: torch.Tensor, block: CodeBlock, table: CodeTable, projected: torch.Tensor | None = None) -> torch.Tensor:

@@ -62,25 +62,64 @@ def as_float_matrix(x: Any, dim: int, name: str = "x", device: torch.device | st
     return x
 
 
+def as_float_array(x: Any, dim: int, name: str = "x") -> np.ndarray:
+    """:func:`as_float_matrix` of ``x`` on the CPU, as a C-contiguous float32 numpy array: the same input
+    accepted, the same ``ValueError`` raised.
+
+    A float32 ``(n, dim)`` numpy array that is C-contiguous and aligned is checked by numpy and returned as it
+    is (no copy, no torch tensor); anything else goes through :func:`as_float_matrix`.
+
+    >>> x = np.ones((2, 3), np.float32)
+    >>> as_float_array(x, 3) is x
+    True
+    >>> as_float_array(np.full((1, 3), np.nan, np.float32), 3, "queries")
+    Traceback (most recent call last):
+    ...
+    ValueError: queries contains NaN or Inf
+    """
+    if (type(x) is np.ndarray and x.dtype == np.float32 and x.ndim == 2 and x.shape[1] == dim
+            and x.flags.c_contiguous and x.flags.aligned):
+        check_array_norms(x, name)
+        return x
+    return as_float_matrix(x, dim, name, "cpu").numpy()
+
+
 def check_row_norms(x: torch.Tensor, name: str = "x") -> None:
     """Raise ``ValueError`` naming ``name`` if the float ``(n, d)`` tensor ``x`` holds NaN/±Inf or a row whose squared
     L2 norm exceeds :data:`MAX_SQUARED_NORM`.
 
-    One pass (``aminmax``, which propagates NaN) decides almost every input: if ``d · max|x|²`` is within the
-    limit, so is every row. Only otherwise are the exact per-row norms computed (in float64).
+    One pass (the largest magnitude, NaN propagating) decides almost every input: if ``d · max|x|²`` is within
+    the limit, so is every row. Only otherwise are the exact per-row squared norms computed (in float64). CPU
+    tensors but bfloat16 (which numpy lacks) are read by numpy (:func:`check_array_norms`).
     """
     if x.device.type == "cpu" and x.dtype != torch.bfloat16:  # numpy: no intra-op threads left spinning
-        array = x.numpy()
-        largest = max(-float(array.min()), float(array.max()))
-    else:
-        low, high = torch.aminmax(x)
-        largest = max(-float(low), float(high))
+        check_array_norms(x.numpy(), name)
+        return
+    low, high = torch.aminmax(x)
+    if _beyond_bound(max(-float(low), float(high)), x.shape[1], name):
+        _check_squared_norms(x.double().square().sum(1).cpu().numpy(), name)
+
+
+def check_array_norms(x: np.ndarray, name: str = "x") -> None:
+    """:func:`check_row_norms` of a float ``(n, d)`` numpy array, by ufunc reductions only: no BLAS call, whose
+    threads spin on after it and slow the native search that follows."""
+    if x.size and _beyond_bound(float(np.maximum.reduce(np.abs(x), axis=None)), x.shape[1], name):
+        with np.errstate(over="ignore"):  # float64 input may overflow: inf, rejected
+            _check_squared_norms(np.add.reduce(np.square(x, dtype=np.float64), axis=1), name)
+
+
+def _beyond_bound(largest: float, dim: int, name: str) -> bool:
+    """True when ``d · largest²`` exceeds :data:`MAX_SQUARED_NORM` (``largest``: the largest magnitude of a
+    ``(n, d)`` matrix); ``ValueError`` naming ``name`` when ``largest`` is NaN or ±Inf."""
     if not math.isfinite(largest):
         raise ValueError(f"{name} contains NaN or Inf")
-    if largest * largest * x.shape[1] <= MAX_SQUARED_NORM:
-        return
-    squared = torch.linalg.vector_norm(x.double(), dim=1) ** 2
-    bad = torch.nonzero(squared > MAX_SQUARED_NORM).flatten()
+    return largest * largest * dim > MAX_SQUARED_NORM
+
+
+def _check_squared_norms(squared: np.ndarray, name: str) -> None:
+    """``ValueError`` naming ``name`` and the first row whose exact squared norm (``squared``, ``(n,)`` float64)
+    exceeds :data:`MAX_SQUARED_NORM`."""
+    bad = np.flatnonzero(squared > MAX_SQUARED_NORM)
     if len(bad):
         row = int(bad[0])
         raise ValueError(f"{name} row {row} has squared L2 norm {float(squared[row]):.3g}, more than the "

@@ -28,7 +28,7 @@ import torch
 from ray.exceptions import RayActorError, RayTaskError
 
 from .. import storage
-from ..validation import as_float_matrix, as_ids, check_choice, check_positive_int
+from ..validation import as_float_array, as_float_matrix, as_ids, check_choice, check_positive_int
 from .actor import Epoch, ShardActor
 from .manifest import (
     MANIFEST,
@@ -341,7 +341,7 @@ class ShardedIndex:
             ShardError: a shard is still down after ``timeout`` (retried meanwhile) or is lost.
         """
         k = check_positive_int("k", k)
-        q = as_float_matrix(queries, self.dim, "queries", "cpu").numpy()
+        q = as_float_array(queries, self.dim, "queries")
         q_ref = ray.put(q)  # one copy in the object store, read by every shard
         options = options if rerank is None else dict(options, rerank=rerank)
         replies = self._call("search", {s: (q_ref, k, options) for s in range(self.n_shards)}, retry=True,
