@@ -232,11 +232,13 @@ std::vector<GroupSpan> spans_of(const SearchArgs& a, const Work& w, const int64_
 
 // ------------------------------------------------------------------------------------------ scalar kernel
 void scan_exact(const SearchArgs& a, const ExactSteps& steps, const Work& w, const float* lut, BestRows& best) {
+  const Rows& rows = a.ordered ? *a.ordered : a.rows;  // read by position (in list order), or by row number
   for (const GroupSpan& s : spans_of(a, w, a.groups.offsets)) {
     for (int64_t p = s.lo; p < s.hi; ++p) {
       const int64_t r = a.groups.list_rows ? a.groups.list_rows[p] : p;
-      const float dot = exact_dot(steps, lut, a.rows.packed + r * a.rows.row_bytes);
-      best.push(finish(a.rows, r, dot, s.constant), r, s.constant);
+      const int64_t at = a.ordered ? p : r;
+      const float dot = exact_dot(steps, lut, rows.packed + at * rows.row_bytes);
+      best.push(finish(rows, at, dot, s.constant), r, s.constant);
     }
   }
 }
@@ -729,6 +731,28 @@ BlockStore arrange(const Rows& rows, const int64_t* offsets, const int64_t* list
       out.bias[lane] = rows.bias ? rows.bias[r] : 0.0f;
       out.rows[lane] = r;
     }
+  }
+  return out;
+}
+
+Rows ListOrder::view() const {
+  return {codes.data(), static_cast<int64_t>(codes.size()) / std::max<int64_t>(1, row_bytes), row_bytes,
+          scale.empty() ? nullptr : scale.data(), bias.empty() ? nullptr : bias.data()};
+}
+
+size_t ListOrder::nbytes() const { return codes.size() + sizeof(float) * (scale.size() + bias.size()); }
+
+ListOrder arrange_lists(const Rows& rows, const int64_t* list_rows, int64_t positions) {
+  ListOrder out;
+  out.row_bytes = rows.row_bytes;
+  out.codes.resize(static_cast<size_t>(positions * rows.row_bytes));
+  if (rows.scale) out.scale.resize(static_cast<size_t>(positions));
+  if (rows.bias) out.bias.resize(static_cast<size_t>(positions));
+  for (int64_t p = 0; p < positions; ++p) {
+    const int64_t r = list_rows[p];
+    std::memcpy(out.codes.data() + p * rows.row_bytes, rows.packed + r * rows.row_bytes, static_cast<size_t>(rows.row_bytes));
+    if (rows.scale) out.scale[p] = rows.scale[r];
+    if (rows.bias) out.bias[p] = rows.bias[r];
   }
   return out;
 }

@@ -82,6 +82,20 @@ struct BlockStore {
 // contiguous range [offsets[g], offsets[g + 1]) when list_rows is null), in that order.
 BlockStore arrange(const Rows& rows, const int64_t* offsets, const int64_t* list_rows, int64_t n_groups);
 
+// The rows in their groups' order, for the exact kernel over inverted lists (whose rows otherwise lie anywhere in
+// the row-major codes): position p holds row list_rows[p], so a list is read front to back.
+struct ListOrder {
+  std::vector<uint8_t> codes;      // (positions, row_bytes)
+  std::vector<float> scale, bias;  // (positions,) each, or empty when the rows have none
+  int64_t row_bytes = 0;
+
+  Rows view() const;
+  size_t nbytes() const;
+};
+
+// The rows list_rows[0 .. positions) of `rows`, in that order.
+ListOrder arrange_lists(const Rows& rows, const int64_t* list_rows, int64_t positions);
+
 // The sign layout of the two-stage scan. Row r decodes (by the search's plan) to levels o in R^D; its sign
 // vector s (s_c = +1 where o_c > 0, else -1) is stored as D bits in the fast-scan layout, with, per slot,
 //   gain  = scale_r * |o|^2 / sum_c |o_c|     (the estimate of scale_r * <q, o> is gain * <q, s>),
@@ -128,6 +142,7 @@ struct SearchArgs {
   int64_t rescore;        // candidates kept by approximate score (>= k); 0: exact scan (no quantized tables)
   const Blocks* blocks;   // the rows' fast-scan layout with the groups of `groups`; null: exact scan
   const SignBlocks* signs;  // or their sign layout (two-stage scan; `blocks` unused); null: none
+  const Rows* ordered;    // the rows by position in the groups' order (ListOrder) for the exact kernel, or null
   float confidence;       // the two-stage scan's bound in standard deviations
   int threads;
   float* out_values;      // (nq, k), best first; -inf padding

@@ -80,14 +80,16 @@ class PlanHandle {
 
 // The rows a search reads: row-major codes (n, row_bytes) read by `plan`, with their scale / bias (n,) or empty,
 // grouped by offsets (and list_rows, each in [0, n)), plus a layout for the SIMD kernels: "nibbles" (the
-// fast-scan layout of the codes), "signs" (the sign layout of the two-stage scan) or "" (none: the exact kernel).
+// fast-scan layout of the codes), "signs" (the sign layout of the two-stage scan), or for the exact kernel "lists"
+// (the rows copied in list order) or "" (none).
 // Holds references to the arrays, which must not change while it lives.
 class RowsHandle {
  public:
   RowsHandle(Array<uint8_t, nb::ndim<2>> packed, Array<float> scale, Array<float> bias, Array<int64_t, nb::ndim<1>> offsets,
              Array<int64_t> list_rows, const PlanHandle& plan, const std::string& layout)
       : packed_(packed), scale_(scale), bias_(bias), offsets_(offsets), list_rows_(list_rows) {
-    require(layout.empty() || layout == "nibbles" || layout == "signs", "layout must be '', 'nibbles' or 'signs'");
+    require(layout.empty() || layout == "nibbles" || layout == "signs" || layout == "lists",
+            "layout must be '', 'nibbles', 'signs' or 'lists'");
     require(plan.last_byte() < static_cast<int64_t>(packed.shape(1)), "the plan reads past the end of a row");
     const int64_t n = static_cast<int64_t>(packed.shape(0));
     require(scale.size() == 0 || scale.size() == static_cast<size_t>(n), "scale must have one entry per row");
@@ -109,6 +111,9 @@ class RowsHandle {
       channels_ = plan.last_channel() + 1;
       signs_ = tqvec::arrange_signs(rows_, plan.view(), channels_, off, groups_.list_rows, n_groups);
       sign_view_ = {signs_->blocks.view(), signs_->slack.data(), signs_->scale.data(), signs_->codes.data(), signs_->plan()};
+    } else if (layout == "lists" && groups_.list_rows) {
+      ordered_ = tqvec::arrange_lists(rows_, groups_.list_rows, off[n_groups]);
+      ordered_view_ = ordered_->view();
     }
   }
 
@@ -116,8 +121,11 @@ class RowsHandle {
   const tqvec::Groups& groups() const { return groups_; }
   const tqvec::Blocks* layout() const { return blocks_ ? &layout_ : nullptr; }
   const tqvec::SignBlocks* signs() const { return signs_ ? &sign_view_ : nullptr; }
+  const tqvec::Rows* ordered() const { return ordered_ ? &ordered_view_ : nullptr; }
   int64_t sign_channels() const { return channels_; }
-  size_t layout_nbytes() const { return blocks_ ? blocks_->nbytes() : signs_ ? signs_->nbytes() : 0; }
+  size_t layout_nbytes() const {
+    return blocks_ ? blocks_->nbytes() : signs_ ? signs_->nbytes() : ordered_ ? ordered_->nbytes() : 0;
+  }
 
  private:
   Array<uint8_t, nb::ndim<2>> packed_;  // the arrays stay referenced while the handle lives
@@ -131,6 +139,8 @@ class RowsHandle {
   std::optional<tqvec::SignStore> signs_;
   tqvec::SignBlocks sign_view_{};
   int64_t channels_ = 0;
+  std::optional<tqvec::ListOrder> ordered_;
+  tqvec::Rows ordered_view_{};
 };
 
 // What an index does to its queries before the scan (tqvec::QueryTransform and tqvec::Coarse), holding its arrays.
@@ -184,7 +194,7 @@ const char* run_search(const PlanHandle& plan, const RowsHandle& source, const f
     require(groups.n_groups == 1, "several groups need probe");
   }
   const tqvec::SearchArgs args{plan.view(), source.rows(), groups, queries, nq, dim, k, rescore, source.layout(),
-                               source.signs(), confidence, threads, values, rows};
+                               source.signs(), source.ordered(), confidence, threads, values, rows};
   nb::gil_scoped_release release;
   return tqvec::search(args, static_cast<tqvec::Isa>(std::clamp(max_isa, 0, 2)));
 }

@@ -87,9 +87,11 @@ def test_flat_index_matches_torch(kernel, layout: str, metric: str, bits: float,
 
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
 @pytest.mark.parametrize("encoding", ["residual", "direct"])
-def test_ivf_index_matches_torch(kernel, layout: str, metric: str, encoding: str) -> None:
+@pytest.mark.parametrize("bits", [3.5, 8])
+def test_ivf_index_matches_torch(kernel, layout: str, metric: str, encoding: str, bits: float) -> None:
+    """8-bit codes take the exact kernel over the rows copied in list order in the one-stage setting."""
     x, q = _data(3001, 40, seed=4), _data(17, 40, seed=5)
-    index = IVFIndex(40, 24, 3.5, metric, encoding=encoding, seed=6)
+    index = IVFIndex(40, 24, bits, metric, encoding=encoding, seed=6)
     index.add(x)
     index.remove(np.arange(0, 3001, 11))
     for nprobe in (1, 5, 24):
@@ -127,11 +129,11 @@ def test_every_kernel_returns_the_same_rows(layout: str, dim: int, bits: float) 
     constant = np.random.default_rng(4).standard_normal(probe.shape).astype(np.float32)
     source = _fastscan.rows(codes.packed, codes.scales, None, plan, lists)
     out = {}
-    chosen = _fastscan.layout(plan)  # no layout (wide codes, one stage): only the scalar kernel runs
+    chosen = _fastscan.layout(plan, lists)  # lists copied in order (wide codes, one stage): the scalar kernel runs
     for isa, name in enumerate(_fastscan.kernels()):
         values, rows, used = _fastscan._native.search(plan.handle, source, rotated.numpy(), probe, constant, 10, 64,
                                                       _fastscan.CONFIDENCE, 1, isa)
-        assert used == ("scalar" if not isa or not chosen else name + ("-signs" if chosen == "signs" else ""))
+        assert used == ("scalar" if not isa or chosen == "lists" else name + ("-signs" if chosen == "signs" else ""))
         out[name] = (values, rows)
     for name in _fastscan.kernels()[1:]:
         _assert_same_results(out["scalar"], out[name])

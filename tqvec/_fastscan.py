@@ -194,26 +194,26 @@ def _array(t: torch.Tensor | None, dtype: type) -> np.ndarray:
     return array if array.dtype == dtype and array.flags.c_contiguous else np.ascontiguousarray(array, dtype=dtype)
 
 
-def layout(steps: Plan) -> str:
+def layout(steps: Plan, lists: Lists | None = None) -> str:
     """The layout :func:`rows` builds for codes read by ``steps`` on this CPU: ``"signs"`` (the two-stage scan, for
     codes of at least :data:`TWO_STAGE_MIN_BITS` bits per channel and :data:`TWO_STAGE_MIN_CHANNELS` channels),
-    ``"nibbles"`` (the one-stage fast scan, every step of at most 4 bits), or ``""`` (the exact kernel: no AVX2,
-    or other codes with wider steps)."""
-    if not simd():
-        return ""
-    if steps.bits_per_channel >= TWO_STAGE_MIN_BITS and steps.channels >= TWO_STAGE_MIN_CHANNELS:
+    ``"nibbles"`` (the one-stage fast scan, every step of at most 4 bits); else, for the exact kernel, ``"lists"``
+    (the rows copied in list order, when there are ``lists``) or ``""`` (none)."""
+    if simd() and steps.bits_per_channel >= TWO_STAGE_MIN_BITS and steps.channels >= TWO_STAGE_MIN_CHANNELS:
         return "signs"
-    return "nibbles" if steps.narrow else ""
+    if simd() and steps.narrow:
+        return "nibbles"
+    return "lists" if lists is not None else ""
 
 
 def rows(packed: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, steps: Plan,
          lists: Lists | None = None) -> _native.Rows:
     """What :func:`search` reads, checked and held once per index snapshot: ``packed`` ``(n, row_bytes)`` codes with
     their ``scale`` / ``bias`` ``(n,)`` (None: 1 / 0), grouped by ``lists`` (None: one group of all rows), and the
-    layout the SIMD kernel scans (:func:`layout`): each list's rows in blocks of 32, byte-major within a block, of
-    the codes (one stage) or of their sign bits with each row's estimate gain and error scale (two stages). The
-    kernel reads the row-major codes only to score candidates exactly. The arrays must not change while the result
-    lives (index snapshots never change).
+    layout the kernel scans (:func:`layout`): each list's rows in blocks of 32, byte-major within a block, of
+    the codes (one stage) or of their sign bits with each row's estimate gain and error scale (two stages), or
+    the rows copied in list order (the exact kernel). The arrays must not change while the result lives (index
+    snapshots never change).
 
     Raises
     ------
@@ -222,9 +222,10 @@ def rows(packed: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | 
     """
     if _native is None:
         raise RuntimeError("the native CPU kernel is not built: reinstall tqvec with a C++17 compiler present")
+    chosen = layout(steps, lists)
     lists = lists or Lists(np.array([0, packed.shape[0]], np.int64), _NONE[np.dtype(np.int64)])
     return _native.Rows(_array(packed, np.uint8), _array(scale, np.float32), _array(bias, np.float32), lists.offsets,
-                        lists.rows, steps.handle, layout(steps))
+                        lists.rows, steps.handle, chosen)
 
 
 def search(queries: np.ndarray, source: _native.Rows, steps: Plan, k: int,
