@@ -243,6 +243,70 @@ void scan_exact(const SearchArgs& a, const ExactSteps& steps, const Work& w, con
   }
 }
 
+// The steps as the AVX2 kernel runs them: both nibbles of a byte at once where two full 4-bit steps share it
+// (the common case: 1-, 2- and 4-bit codes), the rest one at a time (3-bit codes, short last nibbles).
+struct PairRun {
+  int32_t byte_offset;  // first byte * 32 in the transposed block; byte i of the run holds steps lut + 2i, lut + 2i + 1
+  int32_t lut;
+  int32_t count;        // bytes in the run
+};
+
+struct alignas(32) SingleOp {
+  uint8_t low_mask[32];   // code bits found in the step's byte, after the shift
+  uint8_t high_mask[32];  // code bits found in the next byte (straddling codes)
+  int32_t byte_offset;
+  int32_t lut;
+  int32_t shift;
+  int32_t straddle;
+};
+
+struct StepOps {
+  std::vector<PairRun> pairs;
+  std::vector<SingleOp> singles;
+};
+
+StepOps step_ops(const Plan& plan) {
+  StepOps ops;
+  for (int t = 0; t < plan.n_steps; ++t) {
+    const int b = plan.byte[t], s = plan.shift[t], w = plan.width[t];
+    if (nibble_pair(plan, t)) {
+      PairRun* last = ops.pairs.empty() ? nullptr : &ops.pairs.back();
+      if (last && last->byte_offset + last->count * kRowsPerBlock == b * kRowsPerBlock && last->lut + 2 * last->count == t) {
+        ++last->count;
+      } else {
+        ops.pairs.push_back({b * kRowsPerBlock, t, 1});
+      }
+      ++t;
+      continue;
+    }
+    const unsigned mask = (1u << w) - 1u;
+    const unsigned low = s + w > 8 ? ((1u << (8 - s)) - 1u) : mask;
+    SingleOp op{};
+    std::memset(op.low_mask, static_cast<int>(low), sizeof(op.low_mask));
+    std::memset(op.high_mask, static_cast<int>(mask & ~low), sizeof(op.high_mask));
+    op.byte_offset = b * kRowsPerBlock;
+    op.lut = t;
+    op.shift = s;
+    op.straddle = s + w > 8;
+    ops.singles.push_back(op);
+  }
+  return ops;
+}
+
+}  // namespace
+
+struct PlanSteps {
+  ExactSteps exact;       // every step from the float tables (exact_dot)
+  ExactSteps exact_runs;  // with runs of nibble pairs decoded by exact_dot_avx2
+  StepOps ops;            // the SIMD kernels' reading of the plan's steps (at most 4 bits each)
+};
+
+std::shared_ptr<const PlanSteps> plan_steps(const Plan& plan) {
+  return std::make_shared<const PlanSteps>(PlanSteps{exact_steps(plan), exact_steps(plan, true), step_ops(plan)});
+}
+
+namespace {
+
 // Size of one query's float tables.
 inline size_t table_entries(const Plan& plan) { return static_cast<size_t>(plan.offset[plan.n_steps]); }
 
@@ -313,56 +377,6 @@ __attribute__((target("avx2,fma"))) void quantize_tables(const Plan& plan, const
 struct alignas(32) Lut32 {
   uint8_t bytes[32];
 };
-
-// The steps as the AVX2 kernel runs them: both nibbles of a byte at once where two full 4-bit steps share it
-// (the common case: 1-, 2- and 4-bit codes), the rest one at a time (3-bit codes, short last nibbles).
-struct PairRun {
-  int32_t byte_offset;  // first byte * 32 in the transposed block; byte i of the run holds steps lut + 2i, lut + 2i + 1
-  int32_t lut;
-  int32_t count;        // bytes in the run
-};
-
-struct alignas(32) SingleOp {
-  uint8_t low_mask[32];   // code bits found in the step's byte, after the shift
-  uint8_t high_mask[32];  // code bits found in the next byte (straddling codes)
-  int32_t byte_offset;
-  int32_t lut;
-  int32_t shift;
-  int32_t straddle;
-};
-
-struct StepOps {
-  std::vector<PairRun> pairs;
-  std::vector<SingleOp> singles;
-};
-
-StepOps step_ops(const Plan& plan) {
-  StepOps ops;
-  for (int t = 0; t < plan.n_steps; ++t) {
-    const int b = plan.byte[t], s = plan.shift[t], w = plan.width[t];
-    if (nibble_pair(plan, t)) {
-      PairRun* last = ops.pairs.empty() ? nullptr : &ops.pairs.back();
-      if (last && last->byte_offset + last->count * kRowsPerBlock == b * kRowsPerBlock && last->lut + 2 * last->count == t) {
-        ++last->count;
-      } else {
-        ops.pairs.push_back({b * kRowsPerBlock, t, 1});
-      }
-      ++t;
-      continue;
-    }
-    const unsigned mask = (1u << w) - 1u;
-    const unsigned low = s + w > 8 ? ((1u << (8 - s)) - 1u) : mask;
-    SingleOp op{};
-    std::memset(op.low_mask, static_cast<int>(low), sizeof(op.low_mask));
-    std::memset(op.high_mask, static_cast<int>(mask & ~low), sizeof(op.high_mask));
-    op.byte_offset = b * kRowsPerBlock;
-    op.lut = t;
-    op.shift = s;
-    op.straddle = s + w > 8;
-    ops.singles.push_back(op);
-  }
-  return ops;
-}
 
 // Adds the 16-bit sums (acc_a: even + 256 * odd bytes, acc_b: odd bytes) into 32-bit ones and clears them:
 // wide[0] rows 0, 2, .., 14; wide[1] rows 16, 18, .., 30; wide[2] rows 1, 3, .., 15; wide[3] rows 17, .., 31.
@@ -779,6 +793,7 @@ SignStore arrange_signs(const Rows& rows, const Plan& plan, int64_t channels, co
     }
   }
   out.offset.push_back(static_cast<int32_t>(kLut * n_steps));
+  out.steps = plan_steps(out.plan());
   std::vector<uint8_t> signs(static_cast<size_t>(rows.n * sign_bytes), 0);
   std::vector<float> gain(static_cast<size_t>(rows.n)), slack(static_cast<size_t>(rows.n));
   const double root_d = std::sqrt(static_cast<double>(channels)), root_d1 = std::sqrt(std::max<double>(1.0, channels - 1.0));
@@ -861,11 +876,13 @@ const char* search(const SearchArgs& a, Isa max_isa) {
   }
   // candidates kept per query: never more than the rows (a k past them is padding, written by write_best)
   const int64_t keep = std::min<int64_t>(simd && !two_stage ? std::max(a.k, a.rescore) : a.k, std::max<int64_t>(1, a.rows.n));
-  const ExactSteps exact = exact_steps(a.plan), exact_runs = two_stage ? exact_steps(a.plan, true) : ExactSteps{};
+  std::shared_ptr<const PlanSteps> derived;  // when the caller has none
+  const PlanSteps& steps = a.steps ? *a.steps : *(derived = plan_steps(a.plan));
+  const ExactSteps& exact = steps.exact;
   // candidates per item and query of the item, kept for the merge when a query's rows are split across items
   std::vector<std::vector<std::vector<Candidate>>> found(work.size());
 #ifdef TQVEC_X86
-  const StepOps ops = simd ? step_ops(table_plan) : StepOps{};
+  const StepOps& ops = two_stage ? a.signs->steps->ops : steps.ops;
 #endif
 
   auto scan_items = [&](size_t begin, size_t end) {
@@ -881,7 +898,7 @@ const char* search(const SearchArgs& a, Isa max_isa) {
       std::vector<BestRows> best(static_cast<size_t>(w.query_end - w.query), BestRows(keep));
 #ifdef TQVEC_X86
       if (simd) {
-        const SimdSource src{blocks, &table_plan, &ops, two_stage ? a.signs->slack : nullptr, &exact_runs, luts.data(),
+        const SimdSource src{blocks, &table_plan, &ops, two_stage ? a.signs->slack : nullptr, &steps.exact_runs, luts.data(),
                              table_entries(a.plan)};
         scan_avx2(a, w, two_stage ? sign_luts.data() : luts.data(), best, src, avx512);
       } else {

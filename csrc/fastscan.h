@@ -16,6 +16,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace tqvec {
@@ -33,6 +34,11 @@ struct Plan {
   const float* level;       // (kMaxStepChannels * offset[n_steps],): step t's block at kMaxStepChannels * offset[t] is
                             // (kMaxStepChannels, 2^width): the level of each covered channel per table entry
 };
+
+// How the kernels read a plan (its exact scoring steps, and the SIMD kernels' step operations): derived once per
+// plan and passed with it.
+struct PlanSteps;
+std::shared_ptr<const PlanSteps> plan_steps(const Plan& plan);
 
 struct Rows {
   const uint8_t* packed;    // (n, row_bytes)
@@ -113,6 +119,7 @@ struct SignStore {
   std::vector<uint8_t> codes;  // (slots, row_bytes): the row-major codes of each slot, in lane order
   std::vector<int32_t> byte, shift, width, channel, offset;  // the plan that reads the sign bytes (levels +-1)
   std::vector<float> level;
+  std::shared_ptr<const PlanSteps> steps;  // of plan()
 
   Plan plan() const;
   size_t nbytes() const;
@@ -125,6 +132,7 @@ struct SignBlocks {
   const float* scale;
   const uint8_t* codes;
   Plan plan;
+  const PlanSteps* steps;  // of plan
 };
 
 // The sign layout of `rows` read by `plan` (channels [0, channels)), grouped as in `arrange`.
@@ -133,6 +141,7 @@ SignStore arrange_signs(const Rows& rows, const Plan& plan, int64_t channels, co
 
 struct SearchArgs {
   Plan plan;
+  const PlanSteps* steps;  // plan_steps(plan), or null (derived by the search)
   Rows rows;
   Groups groups;
   const float* queries;   // (nq, dim) rotated queries

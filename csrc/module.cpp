@@ -63,18 +63,21 @@ class PlanHandle {
     channel_.assign(channel.data(), channel.data() + channel.size());
     offset_.assign(offset.data(), offset.data() + steps + 1);
     level_.assign(level.data(), level.data() + level.size());
+    steps_ = tqvec::plan_steps(view());
   }
 
   tqvec::Plan view() const {
     return {static_cast<int>(byte_.size()), byte_.data(), shift_.data(), width_.data(), channel_.data(), offset_.data(),
             level_.data()};
   }
+  const tqvec::PlanSteps* steps() const { return steps_.get(); }
   int32_t last_byte() const { return last_byte_; }
   int32_t last_channel() const { return last_channel_; }
 
  private:
   std::vector<int32_t> byte_, shift_, width_, channel_, offset_;
   std::vector<float> level_;
+  std::shared_ptr<const tqvec::PlanSteps> steps_;
   int32_t last_byte_ = -1, last_channel_ = -1;
 };
 
@@ -110,7 +113,8 @@ class RowsHandle {
     } else if (layout == "signs") {
       channels_ = plan.last_channel() + 1;
       signs_ = tqvec::arrange_signs(rows_, plan.view(), channels_, off, groups_.list_rows, n_groups);
-      sign_view_ = {signs_->blocks.view(), signs_->slack.data(), signs_->scale.data(), signs_->codes.data(), signs_->plan()};
+      sign_view_ = {signs_->blocks.view(), signs_->slack.data(), signs_->scale.data(), signs_->codes.data(), signs_->plan(),
+                    signs_->steps.get()};
     } else if (layout == "lists" && groups_.list_rows) {
       ordered_ = tqvec::arrange_lists(rows_, groups_.list_rows, off[n_groups]);
       ordered_view_ = ordered_->view();
@@ -193,7 +197,7 @@ const char* run_search(const PlanHandle& plan, const RowsHandle& source, const f
   } else {
     require(groups.n_groups == 1, "several groups need probe");
   }
-  const tqvec::SearchArgs args{plan.view(), source.rows(), groups, queries, nq, dim, k, rescore, source.layout(),
+  const tqvec::SearchArgs args{plan.view(), plan.steps(), source.rows(), groups, queries, nq, dim, k, rescore, source.layout(),
                                source.signs(), source.ordered(), confidence, threads, values, rows};
   nb::gil_scoped_release release;
   return tqvec::search(args, static_cast<tqvec::Isa>(std::clamp(max_isa, 0, 2)));
