@@ -288,11 +288,13 @@ class IVFIndex(CodedRows):
         return rows_of_ids(self._id_table(), ids, missing_ok)
 
     def _row_lists(self, snap: ListSnapshot) -> torch.Tensor:
-        """The list of every row ``(size,)`` int64."""
-        out = torch.empty(snap.size, dtype=torch.int64, device=self.device)
-        for l, rows in enumerate(snap.lists):
-            out[rows] = l
-        return out
+        """The list of every row ``(size,)`` int64, made once per snapshot (a rerank search reads it per query)."""
+        if "row_lists" not in snap.cache:
+            out = torch.empty(snap.size, dtype=torch.int64, device=self.device)
+            for l, rows in enumerate(snap.lists):
+                out[rows] = l
+            snap.cache["row_lists"] = out
+        return snap.cache["row_lists"]
 
     def remove(self, ids: Any) -> int:
         """Remove the vectors with these ids (an unknown id raises ``KeyError``, nothing removed). Returns the count."""
