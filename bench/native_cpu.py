@@ -6,8 +6,9 @@ Measures, with ``torch`` and turbovec on the same thread counts:
 
 * single queries on one thread: QPS of ``Index.search`` and of ``turbovec.TurboQuantIndex.search``, recall@10
   against the data set's ground truth, and the scan rate (vectors scored per second per thread) of the kernel
-  alone (``tqvec.scan.search`` on rotated queries: the Python around it excluded), in GB/s of codes read beside
-  this machine's single-thread copy bandwidth (numpy copy of 1 GiB);
+  alone (``tqvec.scan.search`` on rotated queries: the Python around it excluded), and the code bytes of the rows
+  it scores per second beside this machine's single-thread copy bandwidth (numpy copy of 1 GiB; the two-stage
+  scan reads the rows' sign bits and the codes of the few it scores exactly, so it may exceed that bandwidth);
 * the batch: all queries in one call on ``--threads`` threads, QPS of both;
 * the torch reference path on a few queries (the speed-up of the native kernel, same process);
 * memory: a 1M × 128 4-bit flat index searched with 10,000 queries at once: peak RSS growth during the search
@@ -156,7 +157,8 @@ def markdown(result: dict[str, Any], command: str) -> str:
              f"| batch of {f['queries']}, {f['batch_threads']} threads: QPS | {f['tqvec_batch_qps']:,.0f} | "
              f"{f['turbovec_batch_qps']:,.0f} |",
              f"| recall@10 | {f['tqvec_recall']:.3f} | {f['turbovec_recall']:.3f} |", "",
-             f"The kernel reads {f['tqvec_kernel_code_gb_per_s']:.2f} GB/s of codes on one thread; this machine's "
+             f"The kernel scores rows holding {f['tqvec_kernel_code_gb_per_s']:.2f} GB/s of codes on one thread (the "
+             f"two-stage scan reads their sign bits and the codes of the rows it scores exactly); this machine's "
              f"single-thread copy bandwidth is {bw:.1f} GB/s (read + write). The torch reference path answers "
              f"{f['torch_single_qps']:.1f} single queries per second on the same index "
              f"({f['tqvec_single_qps'] / f['torch_single_qps']:.0f}× fewer than the native kernel)."]

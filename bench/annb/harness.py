@@ -10,7 +10,10 @@ What it does to the checkout (a clone of ``erikbern/ann-benchmarks``; nothing of
    Dockerfile installs from).
 2. ``patch``: two fixes to the harness's faiss module — ``query`` drops FAISS's −1 padding (the harness would count
    row −1, i.e. the last train row, as a candidate, and several −1 fail its duplicate check), and ``batch_query``
-   normalises each query rather than dividing the whole matrix by its Frobenius norm — and registers the local data
+   normalises each query rather than dividing the whole matrix by its Frobenius norm — and one to its local
+   worker loop (``main.py``: ``while not queue.empty()`` can see an empty queue before the definitions put on it
+   arrive, and the worker then exits having run nothing; it now waits up to 5 s for the next definition), and
+   registers the local data
    sets in ``ann_benchmarks/datasets.py``'s ``DATASETS`` table (their HDF5 files are linked into ``data/``, so the
    harness never tries a download).
 3. ``definitions``: writes ``annb-definitions/{tqvec,faiss,hnswlib}/config.yml`` — tqvec's config and the
@@ -60,6 +63,11 @@ PATCHES = [
     ("ann_benchmarks/algorithms/faiss/module.py",
      "            X /= numpy.linalg.norm(X)\n",
      "            X = X / numpy.linalg.norm(X, axis=1, keepdims=True)  # tqvec patch: per-row norm\n"),
+    ("ann_benchmarks/main.py",
+     "    while not queue.empty():\n        definition = queue.get()\n",
+     "    while True:  # tqvec patch: empty() may be True before the queue's feeder thread has delivered\n"
+     "        try:\n            definition = queue.get(timeout=5)\n"
+     "        except Exception:  # queue.Empty (the parameter shadows the module)\n            break\n"),
 ]
 
 
