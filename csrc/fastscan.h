@@ -6,12 +6,15 @@
 // codes) or several (two 2-bit or four 1-bit channels share one 4-bit step), so the inner product of a query
 // with a row is the sum over steps of table entries: exact, as long as the tables are exact.
 //
-// The SIMD kernel (steps of at most 4 bits; wider codes are scored by the exact kernel) reads the rows in the
-// fast-scan layout (`arrange`): each group's rows in blocks of 32, byte-major within a block (byte j of the 32
-// rows side by side), built once per index snapshot. It quantizes the tables to 8 bits with one scale per
-// query, looks up 32 rows per byte shuffle (64 with AVX-512 BW) and accumulates in 16 bits (widened to 32 bits every 256 steps). It
-// keeps the best `rescore` rows by that approximate score, then re-scores them exactly with the float tables
-// (reading the row-major codes) and returns the best `k`.
+// Three kernels, by the layout the rows were arranged in (built once per index snapshot):
+// * one stage (`arrange`, steps of at most 4 bits): each group's rows in blocks of 32, byte-major within a block
+//   (byte j of the 32 rows side by side). Tables quantized to 8 bits with one scale per query; one byte shuffle
+//   looks up 32 rows (64 with AVX-512 BW); 16-bit sums, widened to 32 bits every 256 steps. The best `rescore`
+//   rows by that estimate are re-scored exactly with the float tables (row-major codes); the best `k` returned.
+// * two stages (`arrange_signs`, SignStore): the rows' sign bits in that block layout are scanned the same way;
+//   a row is scored exactly only when its estimate plus an error bound beats the query's k-th exact score.
+// * exact: float tables for every row (wider codes, no AVX2), reading an inverted file's rows in list order
+//   (`arrange_lists`) where that copy exists.
 #pragma once
 
 #include <cstddef>

@@ -2,13 +2,15 @@
 
 A packed row is read as a sequence of *steps* (:func:`plan`), each a code with its own table: a 4-bit
 channel, two 2-bit or four 1-bit channels per nibble, one 3- to 8-bit channel per step (read across a byte
-boundary where it straddles one). Where every step has at most 4 bits and the CPU has AVX2 + FMA, the kernel
-scans the rows in a fast-scan layout built once per index snapshot (:func:`arrange`: blocks of 32 rows, byte-major)
-with 8-bit tables (one byte shuffle looks up 32 rows, 64 with AVX-512 BW), keeps the best
-``rescore`` rows by that estimate and re-scores those exactly with float tables, so its top-k equals the exact
-one unless the table rounding moved a row across the ``rescore``-th place (:func:`rescore_count`; 3-bit codes
-cost a shuffle each, 4-bit codes half of one). Wider codes, or a CPU without AVX2, take the exact kernel:
-float tables for every row. QJL signs (``mode="prod"``) are not served: the torch path runs.
+boundary where it straddles one). With AVX2 + FMA the kernel scans a layout built once per index snapshot
+(:func:`layout`, ``docs/native.md``): for codes of at least :data:`TWO_STAGE_MIN_BITS` bits over at least
+:data:`TWO_STAGE_MIN_CHANNELS` channels, the rows' sign bits in blocks of 32 (one byte shuffle looks up 32 rows,
+64 with AVX-512 BW), then exact scores for the rows whose estimate plus :data:`CONFIDENCE` standard errors can
+reach the k-th best; for other codes of at most 4 bits per step, the codes themselves in such blocks with 8-bit
+tables, the best ``rescore`` rows by that estimate re-scored exactly (:func:`rescore_count`), so the top-k equals
+the exact one unless the table rounding moved a row across the ``rescore``-th place. Wider codes, or a CPU
+without AVX2, take the exact kernel: float tables for every row (an inverted file's rows copied in list order).
+QJL signs (``mode="prod"``) are not served: the torch path runs.
 
 :func:`decode_attention` runs one decode step of attention over coded KV-cache tokens (``csrc/attention.cpp``) for
 :func:`tqvec.scan.attend` on the CPU.
