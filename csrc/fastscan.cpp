@@ -105,9 +105,15 @@ struct ExactSteps {
   struct Run {
     int32_t byte, channel, groups, level;  // groups: 16-channel groups
   };
+  // Runs of 8k channels of 3-bit codes packed from the byte-aligned `byte` on (8 channels in 3 bytes), sharing one
+  // 8-entry level table: exact_dot_avx2 decodes them 8 at a time (shifts, one permute).
+  struct TriRun {
+    int32_t byte, channel, groups, level;  // groups: 8-channel groups
+  };
   std::vector<Pair> pairs;
   std::vector<Single> singles;
   std::vector<Run> runs;
+  std::vector<TriRun> tri_runs;
 };
 
 // True when steps t and t + 1 are the low and high nibble of one byte, each a full 4-bit code.
@@ -132,8 +138,24 @@ bool nibble_group(const Plan& plan, int t, int first) {
   return true;
 }
 
-// The exact scoring steps of `plan`; with `runs`, nibble pairs in runs of 16 channels (nibble_group) are kept as
-// runs for exact_dot_avx2.
+// True when steps t .. t + 7 are 3-bit codes packed from a byte boundary (byte[t], shift 0), one channel each,
+// channels consecutive from channel[t], all with the level table of step `first`.
+bool tri_group(const Plan& plan, int t, int first) {
+  if (t + 8 > plan.n_steps || plan.shift[t] != 0) return false;
+  const float* table = plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[first];
+  for (int i = 0; i < 8; ++i) {
+    const int u = t + i;
+    if (plan.width[u] != 3 || 8 * plan.byte[u] + plan.shift[u] != 8 * plan.byte[t] + 3 * i ||
+        plan.channel[u * kMaxStepChannels] != plan.channel[t * kMaxStepChannels] + i ||
+        plan.channel[u * kMaxStepChannels + 1] != -1 ||
+        !std::equal(table, table + 8, plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[u]))
+      return false;
+  }
+  return true;
+}
+
+// The exact scoring steps of `plan`; with `runs`, nibble pairs in runs of 16 channels (nibble_group) and 3-bit
+// codes in runs of 8 (tri_group) are kept as runs for exact_dot_avx2.
 ExactSteps exact_steps(const Plan& plan, bool runs = false) {
   ExactSteps steps;
   for (int t = 0; t < plan.n_steps; ++t) {
@@ -148,6 +170,16 @@ ExactSteps exact_steps(const Plan& plan, bool runs = false) {
       }
       steps.runs.push_back(run);
       --t;  // the loop's ++t moves to the first step after the run
+    } else if (runs && tri_group(plan, t, t)) {
+      const int first = t;
+      ExactSteps::TriRun run{b, plan.channel[t * kMaxStepChannels], 0, kMaxStepChannels * plan.offset[t]};
+      while (tri_group(plan, t, first) && plan.byte[t] == run.byte + 3 * run.groups &&
+             plan.channel[t * kMaxStepChannels] == run.channel + 8 * run.groups) {
+        ++run.groups;
+        t += 8;
+      }
+      steps.tri_runs.push_back(run);
+      --t;
     } else if (nibble_pair(plan, t)) {
       steps.pairs.push_back({b, plan.offset[t]});
       ++t;
@@ -563,9 +595,9 @@ struct GroupTables {
   }
 };
 
-// exact_dot with the runs of `steps` (exact_steps(plan, true)) decoded 16 channels at a time: their nibbles are
-// looked up in the run's level table (two 8-entry permutes) and multiplied by `query` (the rotated query of the
-// float tables `lut`); the other steps are read from `lut`.
+// exact_dot with the runs of `steps` (exact_steps(plan, true)) decoded to levels and multiplied by `query` (the
+// rotated query of the float tables `lut`): nibble runs 16 channels at a time (two 8-entry permutes of the level
+// table), 3-bit runs 8 at a time (shifts, one permute); the other steps are read from `lut`.
 __attribute__((target("avx2,fma"))) inline float exact_dot_avx2(const ExactSteps& steps, const float* lut, const float* levels,
                                                              const float* query, const uint8_t* row) {
   const __m128i nibble = _mm_set1_epi8(0x0F);
@@ -585,6 +617,18 @@ __attribute__((target("avx2,fma"))) inline float exact_dot_avx2(const ExactSteps
                                          _mm256_castsi256_ps(_mm256_slli_epi32(second, 28)));
       acc0 = _mm256_fmadd_ps(v0, _mm256_loadu_ps(q + 16 * g), acc0);
       acc1 = _mm256_fmadd_ps(v1, _mm256_loadu_ps(q + 16 * g + 8), acc1);
+    }
+  }
+  const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21), three_bits = _mm256_set1_epi32(7);
+  for (const ExactSteps::TriRun& run : steps.tri_runs) {
+    const __m256 table = _mm256_loadu_ps(levels + run.level);
+    const uint8_t* bytes = row + run.byte;
+    const float* q = query + run.channel;
+    for (int g = 0; g < run.groups; ++g) {  // the group's 3 bytes only: a 4-byte load could pass the row's end
+      const uint8_t* p = bytes + 3 * g;
+      const int bits = static_cast<int>(p[0] | (p[1] << 8) | (p[2] << 16));
+      const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(bits), shifts), three_bits);
+      acc1 = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(table, codes), _mm256_loadu_ps(q + 8 * g), acc1);
     }
   }
   alignas(32) float part[8];
