@@ -99,21 +99,17 @@ struct ExactSteps {
     int32_t byte, shift, straddle, entry;
     uint32_t mask;
   };
-  // Runs of 16k channels read as byte pairs of nibbles (8k bytes from `byte`, channels from `channel` in
-  // order) that share one 16-entry level table (plan.level[level .. level + 16)): exact_dot_avx2 decodes
-  // them to levels and multiplies by the query; exact_dot reads every pair from the float tables instead.
+  // Runs of channels that share one level table (plan.level[level .. level + 2^width)), one channel per code, packed
+  // from the byte-aligned `byte` on, channels from `channel` in order, in groups of run_channels(width) channels
+  // (a whole number of bytes): exact_dot_avx2 decodes them to levels and multiplies by the query, 4-bit codes 16 at
+  // a time (two 8-entry permutes), 3-bit codes 8 at a time (shifts, one permute); exact_dot reads every step from
+  // the float tables instead.
   struct Run {
-    int32_t byte, channel, groups, level;  // groups: 16-channel groups
-  };
-  // Runs of 8k channels of 3-bit codes packed from the byte-aligned `byte` on (8 channels in 3 bytes), sharing one
-  // 8-entry level table: exact_dot_avx2 decodes them 8 at a time (shifts, one permute).
-  struct TriRun {
-    int32_t byte, channel, groups, level;  // groups: 8-channel groups
+    int32_t byte, channel, groups, level, width;
   };
   std::vector<Pair> pairs;
   std::vector<Single> singles;
   std::vector<Run> runs;
-  std::vector<TriRun> tri_runs;
 };
 
 // True when steps t and t + 1 are the low and high nibble of one byte, each a full 4-bit code.
@@ -122,64 +118,42 @@ inline bool nibble_pair(const Plan& plan, int t) {
          plan.shift[t + 1] == 4 && plan.width[t + 1] == 4;
 }
 
-// True when steps t .. t + 15 are the nibbles of 8 consecutive bytes from byte[t], one channel each, channels
-// consecutive from channel[t], all with the level table of step `first`.
-bool nibble_group(const Plan& plan, int t, int first) {
-  if (t + 16 > plan.n_steps) return false;
+// Channels per group of a Run of `width`-bit codes (4 or 3): 8 or 3 bytes.
+constexpr int run_channels(int width) { return width == 4 ? 16 : 8; }
+
+// True when steps t .. t + run_channels(width) - 1 are `width`-bit codes packed from a byte boundary (byte[t],
+// shift 0), one channel each, channels consecutive from channel[t], all with the level table of step `first`.
+bool run_group(const Plan& plan, int t, int first, int width) {
+  const int n = run_channels(width);
+  if (t + n > plan.n_steps || plan.shift[t] != 0) return false;
   const float* table = plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[first];
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < n; ++i) {
     const int u = t + i;
-    if (plan.width[u] != 4 || plan.byte[u] != plan.byte[t] + i / 2 || plan.shift[u] != 4 * (i % 2) ||
+    if (plan.width[u] != width || 8 * plan.byte[u] + plan.shift[u] != 8 * plan.byte[t] + width * i ||
         plan.channel[u * kMaxStepChannels] != plan.channel[t * kMaxStepChannels] + i ||
         plan.channel[u * kMaxStepChannels + 1] != -1 ||
-        !std::equal(table, table + kLut, plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[u]))
+        !std::equal(table, table + (1 << width), plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[u]))
       return false;
   }
   return true;
 }
 
-// True when steps t .. t + 7 are 3-bit codes packed from a byte boundary (byte[t], shift 0), one channel each,
-// channels consecutive from channel[t], all with the level table of step `first`.
-bool tri_group(const Plan& plan, int t, int first) {
-  if (t + 8 > plan.n_steps || plan.shift[t] != 0) return false;
-  const float* table = plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[first];
-  for (int i = 0; i < 8; ++i) {
-    const int u = t + i;
-    if (plan.width[u] != 3 || 8 * plan.byte[u] + plan.shift[u] != 8 * plan.byte[t] + 3 * i ||
-        plan.channel[u * kMaxStepChannels] != plan.channel[t * kMaxStepChannels] + i ||
-        plan.channel[u * kMaxStepChannels + 1] != -1 ||
-        !std::equal(table, table + 8, plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[u]))
-      return false;
-  }
-  return true;
-}
-
-// The exact scoring steps of `plan`; with `runs`, nibble pairs in runs of 16 channels (nibble_group) and 3-bit
-// codes in runs of 8 (tri_group) are kept as runs for exact_dot_avx2.
+// The exact scoring steps of `plan`; with `runs`, 4- and 3-bit codes in whole groups of run_channels (run_group)
+// are kept as runs for exact_dot_avx2.
 ExactSteps exact_steps(const Plan& plan, bool runs = false) {
   ExactSteps steps;
   for (int t = 0; t < plan.n_steps; ++t) {
     const int32_t b = plan.byte[t], s = plan.shift[t], w = plan.width[t];
-    if (runs && nibble_group(plan, t, t)) {
-      const int first = t;
-      ExactSteps::Run run{b, plan.channel[t * kMaxStepChannels], 0, kMaxStepChannels * plan.offset[t]};
-      while (nibble_group(plan, t, first) && plan.byte[t] == run.byte + 8 * run.groups &&
-             plan.channel[t * kMaxStepChannels] == run.channel + 16 * run.groups) {
+    if (runs && (w == 4 || w == 3) && run_group(plan, t, t, w)) {
+      const int first = t, n = run_channels(w);
+      ExactSteps::Run run{b, plan.channel[t * kMaxStepChannels], 0, kMaxStepChannels * plan.offset[t], w};
+      while (run_group(plan, t, first, w) && plan.byte[t] == run.byte + w * n / 8 * run.groups &&
+             plan.channel[t * kMaxStepChannels] == run.channel + n * run.groups) {
         ++run.groups;
-        t += 16;
+        t += n;
       }
       steps.runs.push_back(run);
       --t;  // the loop's ++t moves to the first step after the run
-    } else if (runs && tri_group(plan, t, t)) {
-      const int first = t;
-      ExactSteps::TriRun run{b, plan.channel[t * kMaxStepChannels], 0, kMaxStepChannels * plan.offset[t]};
-      while (tri_group(plan, t, first) && plan.byte[t] == run.byte + 3 * run.groups &&
-             plan.channel[t * kMaxStepChannels] == run.channel + 8 * run.groups) {
-        ++run.groups;
-        t += 8;
-      }
-      steps.tri_runs.push_back(run);
-      --t;
     } else if (nibble_pair(plan, t)) {
       steps.pairs.push_back({b, plan.offset[t]});
       ++t;
@@ -329,7 +303,7 @@ StepOps step_ops(const Plan& plan) {
 
 struct PlanSteps {
   ExactSteps exact;       // every step from the float tables (exact_dot)
-  ExactSteps exact_runs;  // with runs of nibble pairs decoded by exact_dot_avx2
+  ExactSteps exact_runs;  // with runs of 4- and 3-bit codes decoded by exact_dot_avx2
   StepOps ops;            // the SIMD kernels' reading of the plan's steps (at most 4 bits each)
 };
 
@@ -596,39 +570,37 @@ struct GroupTables {
 };
 
 // exact_dot with the runs of `steps` (exact_steps(plan, true)) decoded to levels and multiplied by `query` (the
-// rotated query of the float tables `lut`): nibble runs 16 channels at a time (two 8-entry permutes of the level
-// table), 3-bit runs 8 at a time (shifts, one permute); the other steps are read from `lut`.
+// rotated query of the float tables `lut`); the other steps are read from `lut`.
 __attribute__((target("avx2,fma"))) inline float exact_dot_avx2(const ExactSteps& steps, const float* lut, const float* levels,
                                                              const float* query, const uint8_t* row) {
   const __m128i nibble = _mm_set1_epi8(0x0F);
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  for (const ExactSteps::Run& run : steps.runs) {
-    const __m256 low_levels = _mm256_loadu_ps(levels + run.level), high_levels = _mm256_loadu_ps(levels + run.level + 8);
-    const uint8_t* bytes = row + run.byte;
-    const float* q = query + run.channel;
-    for (int g = 0; g < run.groups; ++g) {
-      const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * g));
-      const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(packed, nibble), _mm_and_si128(_mm_srli_epi16(packed, 4), nibble));
-      const __m256i first = _mm256_cvtepu8_epi32(codes), second = _mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8));
-      // entries 8-15 where bit 3 is set: the blend reads that bit as the sign of the shifted index
-      const __m256 v0 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low_levels, first), _mm256_permutevar8x32_ps(high_levels, first),
-                                         _mm256_castsi256_ps(_mm256_slli_epi32(first, 28)));
-      const __m256 v1 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low_levels, second), _mm256_permutevar8x32_ps(high_levels, second),
-                                         _mm256_castsi256_ps(_mm256_slli_epi32(second, 28)));
-      acc0 = _mm256_fmadd_ps(v0, _mm256_loadu_ps(q + 16 * g), acc0);
-      acc1 = _mm256_fmadd_ps(v1, _mm256_loadu_ps(q + 16 * g + 8), acc1);
-    }
-  }
   const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21), three_bits = _mm256_set1_epi32(7);
-  for (const ExactSteps::TriRun& run : steps.tri_runs) {
-    const __m256 table = _mm256_loadu_ps(levels + run.level);
+  for (const ExactSteps::Run& run : steps.runs) {
     const uint8_t* bytes = row + run.byte;
     const float* q = query + run.channel;
-    for (int g = 0; g < run.groups; ++g) {  // the group's 3 bytes only: a 4-byte load could pass the row's end
-      const uint8_t* p = bytes + 3 * g;
-      const int bits = static_cast<int>(p[0] | (p[1] << 8) | (p[2] << 16));
-      const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(bits), shifts), three_bits);
-      acc1 = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(table, codes), _mm256_loadu_ps(q + 8 * g), acc1);
+    if (run.width == 4) {
+      const __m256 low_levels = _mm256_loadu_ps(levels + run.level), high_levels = _mm256_loadu_ps(levels + run.level + 8);
+      for (int g = 0; g < run.groups; ++g) {
+        const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * g));
+        const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(packed, nibble), _mm_and_si128(_mm_srli_epi16(packed, 4), nibble));
+        const __m256i first = _mm256_cvtepu8_epi32(codes), second = _mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8));
+        // entries 8-15 where bit 3 is set: the blend reads that bit as the sign of the shifted index
+        const __m256 v0 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low_levels, first), _mm256_permutevar8x32_ps(high_levels, first),
+                                           _mm256_castsi256_ps(_mm256_slli_epi32(first, 28)));
+        const __m256 v1 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low_levels, second), _mm256_permutevar8x32_ps(high_levels, second),
+                                           _mm256_castsi256_ps(_mm256_slli_epi32(second, 28)));
+        acc0 = _mm256_fmadd_ps(v0, _mm256_loadu_ps(q + 16 * g), acc0);
+        acc1 = _mm256_fmadd_ps(v1, _mm256_loadu_ps(q + 16 * g + 8), acc1);
+      }
+    } else {
+      const __m256 table = _mm256_loadu_ps(levels + run.level);
+      for (int g = 0; g < run.groups; ++g) {  // the group's 3 bytes only: a 4-byte load could pass the row's end
+        const uint8_t* p = bytes + 3 * g;
+        const int bits = static_cast<int>(p[0] | (p[1] << 8) | (p[2] << 16));
+        const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(bits), shifts), three_bits);
+        acc1 = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(table, codes), _mm256_loadu_ps(q + 8 * g), acc1);
+      }
     }
   }
   alignas(32) float part[8];
