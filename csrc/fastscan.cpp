@@ -72,21 +72,24 @@ class BestRows {
   std::vector<Candidate> heap_;
 };
 
-// The float tables of one query: lut[offset[t] + c] = sum over step t's channels of query[channel] * level.
-void float_tables(const Plan& plan, const float* query, float* lut) {
-  for (int t = 0; t < plan.n_steps; ++t) {
-    const int32_t size = plan.offset[t + 1] - plan.offset[t];
-    const int32_t* channel = plan.channel + t * kMaxStepChannels;
-    const float* level = plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[t];
-    float* out = lut + plan.offset[t];
-    const float q0 = channel[0] >= 0 ? query[channel[0]] : 0.0f;
-    for (int32_t e = 0; e < size; ++e) out[e] = q0 * level[e];
-    for (int j = 1; j < kMaxStepChannels && channel[j] >= 0; ++j) {
-      const float qj = query[channel[j]];
-      const float* lj = level + j * size;
-      for (int32_t e = 0; e < size; ++e) out[e] += qj * lj[e];
-    }
+// Step t's float table of one query: lut[offset[t] + c] = sum over the step's channels of query[channel] * level.
+void float_table(const Plan& plan, int t, const float* query, float* lut) {
+  const int32_t size = plan.offset[t + 1] - plan.offset[t];
+  const int32_t* channel = plan.channel + t * kMaxStepChannels;
+  const float* level = plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[t];
+  float* out = lut + plan.offset[t];
+  const float q0 = channel[0] >= 0 ? query[channel[0]] : 0.0f;
+  for (int32_t e = 0; e < size; ++e) out[e] = q0 * level[e];
+  for (int j = 1; j < kMaxStepChannels && channel[j] >= 0; ++j) {
+    const float qj = query[channel[j]];
+    const float* lj = level + j * size;
+    for (int32_t e = 0; e < size; ++e) out[e] += qj * lj[e];
   }
+}
+
+// The float tables of every step.
+void float_tables(const Plan& plan, const float* query, float* lut) {
+  for (int t = 0; t < plan.n_steps; ++t) float_table(plan, t, query, lut);
 }
 
 // The steps as exact scoring reads them: bytes whose two nibbles are two 4-bit steps (most codes of at most 4
@@ -110,6 +113,7 @@ struct ExactSteps {
   std::vector<Pair> pairs;
   std::vector<Single> singles;
   std::vector<Run> runs;
+  std::vector<int32_t> table_steps;  // the steps of pairs and singles: the only float tables exact_dot reads
 };
 
 // True when steps t and t + 1 are the low and high nibble of one byte, each a full 4-bit code.
@@ -156,9 +160,11 @@ ExactSteps exact_steps(const Plan& plan, bool runs = false) {
       --t;  // the loop's ++t moves to the first step after the run
     } else if (nibble_pair(plan, t)) {
       steps.pairs.push_back({b, plan.offset[t]});
+      steps.table_steps.insert(steps.table_steps.end(), {t, t + 1});
       ++t;
     } else {
       steps.singles.push_back({b, s, s + w > 8, plan.offset[t], (1u << w) - 1u});
+      steps.table_steps.push_back(t);
     }
   }
   return steps;
@@ -902,31 +908,37 @@ const char* search(const SearchArgs& a, Isa max_isa) {
 #endif
 
   auto scan_items = [&](size_t begin, size_t end) {
-    std::vector<float> luts(table_entries(a.plan) * static_cast<size_t>(group));
-    std::vector<float> sign_luts(two_stage ? table_entries(table_plan) * static_cast<size_t>(group) : 0);
+    // uninitialized: the two-stage scan fills (and reads) only the tables of the steps its exact scores look up
+    std::unique_ptr<float[]> luts(new float[table_entries(a.plan) * static_cast<size_t>(group)]);
+    std::unique_ptr<float[]> sign_luts(new float[two_stage ? table_entries(table_plan) * static_cast<size_t>(group) : 0]);
     for (size_t i = begin; i < end; ++i) {
       const Work& w = work[i];
       for (int64_t q = w.query; q < w.query_end; ++q) {
-        float_tables(a.plan, a.queries + q * a.dim, luts.data() + (q - w.query) * table_entries(a.plan));
-        if (two_stage)
-          float_tables(table_plan, a.queries + q * a.dim, sign_luts.data() + (q - w.query) * table_entries(table_plan));
+        const float* query = a.queries + q * a.dim;
+        float* lut = luts.get() + (q - w.query) * table_entries(a.plan);
+        if (two_stage) {
+          for (int32_t t : steps.exact_runs.table_steps) float_table(a.plan, t, query, lut);
+          float_tables(table_plan, query, sign_luts.get() + (q - w.query) * table_entries(table_plan));
+        } else {
+          float_tables(a.plan, query, lut);
+        }
       }
       std::vector<BestRows> best(static_cast<size_t>(w.query_end - w.query), BestRows(keep));
 #ifdef TQVEC_X86
       if (simd) {
-        const SimdSource src{blocks, &table_plan, &ops, two_stage ? a.signs->slack : nullptr, &steps.exact_runs, luts.data(),
+        const SimdSource src{blocks, &table_plan, &ops, two_stage ? a.signs->slack : nullptr, &steps.exact_runs, luts.get(),
                              table_entries(a.plan)};
-        scan_avx2(a, w, two_stage ? sign_luts.data() : luts.data(), best, src, avx512);
+        scan_avx2(a, w, two_stage ? sign_luts.get() : luts.get(), best, src, avx512);
       } else {
-        scan_exact(a, exact, w, luts.data(), best[0]);
+        scan_exact(a, exact, w, luts.get(), best[0]);
       }
 #else
-      scan_exact(a, exact, w, luts.data(), best[0]);
+      scan_exact(a, exact, w, luts.get(), best[0]);
 #endif
       for (size_t j = 0; j < best.size(); ++j) {
         std::vector<Candidate>& cands = best[j].items();
         if (simd && !two_stage) {  // exact scores for the candidates of the 8-bit estimate, with this item's float tables
-          const float* lut = luts.data() + j * table_entries(a.plan);
+          const float* lut = luts.get() + j * table_entries(a.plan);
           for (Candidate& c : cands)
             c.score = finish(a.rows, c.row, exact_dot(exact, lut, a.rows.packed + c.row * a.rows.row_bytes), c.constant);
         }

@@ -150,22 +150,31 @@ class RowsHandle {
 // What an index does to its queries before the scan (tqvec::QueryTransform and tqvec::Coarse), holding its arrays.
 class QueryHandle {
  public:
-  QueryHandle(int64_t dim, Array<float> rotation, Array<float> signs, bool normalize, Array<float> center,
+  QueryHandle(int64_t dim, Array<float> rotation, Array<float> signs, int rounds, bool normalize, Array<float> center,
               Array<float> centroids, Array<float> half_squared, bool residual, Array<float> base)
       : rotation_(rotation), signs_(signs), center_(center), centroids_(centroids), half_squared_(half_squared), base_(base) {
     require(dim >= 1, "dim must be positive");
+    require(rounds >= 0, "rounds must be >= 0");
     const bool haar = rotation.size() > 0;
-    require(haar != (signs.size() > 0), "give the rotation matrix or the Hadamard signs");
-    const int64_t out_dim = haar ? static_cast<int64_t>(rotation.size()) / dim : static_cast<int64_t>(signs.size());
-    require(haar ? rotation.size() == static_cast<size_t>(out_dim * dim) : (out_dim >= dim && (out_dim & (out_dim - 1)) == 0),
-            "the rotation must be (out_dim, dim), or out_dim >= dim signs, a power of two");
+    require(haar != (signs.size() > 0), "give the rotation matrix or the Hadamard / FHT-Kac signs");
+    require(!haar || rounds == 0, "a rotation matrix takes no FHT-Kac rounds");
+    const int64_t out_dim = haar ? static_cast<int64_t>(rotation.size()) / dim
+                            : rounds > 0 ? dim : static_cast<int64_t>(signs.size());
+    if (haar)
+      require(rotation.size() == static_cast<size_t>(out_dim * dim), "the rotation matrix must be (out_dim, dim)");
+    else if (rounds > 0)
+      require(signs.size() == static_cast<size_t>(rounds) * static_cast<size_t>(dim), "FHT-Kac signs must be (rounds, dim)");
+    else
+      require(out_dim >= dim && (out_dim & (out_dim - 1)) == 0, "Hadamard signs must be out_dim >= dim, a power of two");
+    int64_t block = 1;
+    while (2 * block <= dim) block *= 2;
     require(center.size() == 0 || center.size() == static_cast<size_t>(dim), "center must have dim entries");
     require(base.size() == 0 || base.size() == static_cast<size_t>(dim), "base must have dim entries");
     const int64_t n_lists = static_cast<int64_t>(centroids.size()) / dim;
     require(centroids.size() == static_cast<size_t>(n_lists * dim), "centroids must be (nlist, dim)");
     require(half_squared.size() == 0 || half_squared.size() == static_cast<size_t>(n_lists), "half_squared must have nlist entries");
     require(n_lists == 0 || center.size() == 0, "an inverted-file index has no flat center");
-    transform_ = {dim, out_dim, optional_data(rotation), optional_data(signs), normalize, optional_data(center)};
+    transform_ = {dim, out_dim, optional_data(rotation), optional_data(signs), rounds, block, normalize, optional_data(center)};
     coarse_ = {n_lists, 0, optional_data(centroids), optional_data(half_squared), residual, optional_data(base)};
   }
 
@@ -254,7 +263,7 @@ nb::tuple search_queries(const PlanHandle& plan, const RowsHandle& source, const
   std::vector<int64_t> probe(static_cast<size_t>(nq * n_probe));
   {
     nb::gil_scoped_release release;
-    tqvec::prepare_queries(prep.transform(), coarse, queries.data(), nq, threads, rotated.data(), probe.data(), constant.data());
+    tqvec::prepare_queries(prep.transform(), coarse, queries.data(), nq, threads, max_isa >= 1, rotated.data(), probe.data(), constant.data());
   }
   auto* distances = new float[static_cast<size_t>(nq * k)];
   auto* labels = new int64_t[static_cast<size_t>(nq * k)];
@@ -346,8 +355,8 @@ NB_MODULE(_native, m) {
   m.def("search", &search, nb::arg("plan"), nb::arg("rows"), nb::arg("queries"), nb::arg("probe"), nb::arg("probe_constant"),
         nb::arg("k"), nb::arg("rescore"), nb::arg("confidence"), nb::arg("threads"), nb::arg("max_isa"));
   nb::class_<QueryHandle>(m, "Queries", "What an index does to its queries before the scan.")
-      .def(nb::init<int64_t, Array<float>, Array<float>, bool, Array<float>, Array<float>, Array<float>, bool, Array<float>>(),
-           nb::arg("dim"), nb::arg("rotation"), nb::arg("signs"), nb::arg("normalize"), nb::arg("center"), nb::arg("centroids"),
+      .def(nb::init<int64_t, Array<float>, Array<float>, int, bool, Array<float>, Array<float>, Array<float>, bool, Array<float>>(),
+           nb::arg("dim"), nb::arg("rotation"), nb::arg("signs"), nb::arg("rounds"), nb::arg("normalize"), nb::arg("center"), nb::arg("centroids"),
            nb::arg("half_squared"), nb::arg("residual"), nb::arg("base"));
   m.def("search_queries", &search_queries, nb::arg("plan"), nb::arg("rows"), nb::arg("prep"), nb::arg("queries"),
         nb::arg("ids"), nb::arg("l2"), nb::arg("n_probe"), nb::arg("k"), nb::arg("rescore"), nb::arg("confidence"),

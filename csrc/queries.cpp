@@ -109,22 +109,22 @@ __attribute__((target("avx2,fma"))) void matmat_avx2(const float* m, int64_t row
 using Dot = float (*)(const float*, const float*, int64_t);
 using Matmat = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*);
 
-Dot pick_dot() {
+Dot pick_dot(bool vector_isa) {
 #ifdef TQVEC_X86
-  if (has_avx2()) return dot_avx2;
+  if (vector_isa && has_avx2()) return dot_avx2;
 #endif
   return dot_scalar;
 }
 
-Matmat pick_matmat() {
+Matmat pick_matmat(bool vector_isa) {
 #ifdef TQVEC_X86
-  if (has_avx2()) return matmat_avx2;
+  if (vector_isa && has_avx2()) return matmat_avx2;
 #endif
   return matmat_scalar;
 }
 
 // In-place unnormalized Walsh-Hadamard transform of x (n a power of two).
-void walsh_hadamard(float* x, int64_t n) {
+void walsh_hadamard_scalar(float* x, int64_t n) {
   for (int64_t h = 1; h < n; h *= 2)
     for (int64_t i = 0; i < n; i += 2 * h)
       for (int64_t j = i; j < i + h; ++j) {
@@ -134,18 +134,125 @@ void walsh_hadamard(float* x, int64_t n) {
       }
 }
 
+// Rotates a padded query in place (padded holds out_dim floats, the query's dim first, zeros after): the
+// Hadamard rotation's signs and transform, or the FHT-Kac rotation's rounds (see QueryTransform).
+void rotate_scalar(const QueryTransform& t, float* v) {
+  if (t.rounds == 0) {
+    for (int64_t d = 0; d < t.dim; ++d) v[d] *= t.signs[d];
+    walsh_hadamard_scalar(v, t.out_dim);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(t.out_dim));
+    for (int64_t d = 0; d < t.out_dim; ++d) v[d] *= scale;
+    return;
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(t.block)), half_root = std::sqrt(0.5f);
+  const int64_t half = t.dim / 2;
+  for (int r = 0; r < t.rounds; ++r) {
+    const float* signs = t.signs + r * t.dim;
+    for (int64_t d = 0; d < t.dim; ++d) v[d] *= signs[d];
+    float* block = v + (r % 2 == 0 ? 0 : t.dim - t.block);
+    walsh_hadamard_scalar(block, t.block);
+    for (int64_t d = 0; d < t.block; ++d) block[d] *= scale;
+    for (int64_t d = 0; d < half; ++d) {
+      const float a = v[d], b = v[d + half];
+      v[d] = (a + b) * half_root;
+      v[d + half] = (a - b) * half_root;
+    }
+  }
+}
+
+#ifdef TQVEC_X86
+// walsh_hadamard_scalar with the first three levels inside each 8-float register and the others 8 lanes wide.
+__attribute__((target("avx2,fma"))) void walsh_hadamard_avx2(float* x, int64_t n) {
+  if (n < 8) {
+    for (int64_t h = 1; h < n; h *= 2)
+      for (int64_t i = 0; i < n; i += 2 * h)
+        for (int64_t j = i; j < i + h; ++j) {
+          const float a = x[j], b = x[j + h];
+          x[j] = a + b;
+          x[j + h] = a - b;
+        }
+    return;
+  }
+  const __m256 odd = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1), pairs = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
+  const __m256 halves = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
+  for (int64_t i = 0; i < n; i += 8) {  // (a, b) -> (a + b, a - b) at distances 1, 2, 4: partner + own * sign
+    __m256 v = _mm256_loadu_ps(x + i);
+    v = _mm256_fmadd_ps(v, odd, _mm256_permute_ps(v, 0xB1));
+    v = _mm256_fmadd_ps(v, pairs, _mm256_permute_ps(v, 0x4E));
+    v = _mm256_fmadd_ps(v, halves, _mm256_permute2f128_ps(v, v, 1));
+    _mm256_storeu_ps(x + i, v);
+  }
+  for (int64_t h = 8; h < n; h *= 2)
+    for (int64_t i = 0; i < n; i += 2 * h)
+      for (int64_t j = i; j < i + h; j += 8) {
+        const __m256 a = _mm256_loadu_ps(x + j), b = _mm256_loadu_ps(x + j + h);
+        _mm256_storeu_ps(x + j, _mm256_add_ps(a, b));
+        _mm256_storeu_ps(x + j + h, _mm256_sub_ps(a, b));
+      }
+}
+
+// x[d] *= m[d] (m null: by `scale`) for d < n.
+__attribute__((target("avx2,fma"))) void multiply_avx2(float* x, const float* m, float scale, int64_t n) {
+  int64_t d = 0;
+  const __m256 s = _mm256_set1_ps(scale);
+  for (; d + 8 <= n; d += 8)
+    _mm256_storeu_ps(x + d, _mm256_mul_ps(_mm256_loadu_ps(x + d), m ? _mm256_loadu_ps(m + d) : s));
+  for (; d < n; ++d) x[d] *= m ? m[d] : scale;
+}
+
+// rotate_scalar, 8 lanes wide.
+__attribute__((target("avx2,fma"))) void rotate_avx2(const QueryTransform& t, float* v) {
+  if (t.rounds == 0) {
+    multiply_avx2(v, t.signs, 0.0f, t.dim);
+    walsh_hadamard_avx2(v, t.out_dim);
+    multiply_avx2(v, nullptr, 1.0f / std::sqrt(static_cast<float>(t.out_dim)), t.out_dim);
+    return;
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(t.block)), half_root = std::sqrt(0.5f);
+  const __m256 root = _mm256_set1_ps(half_root);
+  const int64_t half = t.dim / 2;
+  for (int r = 0; r < t.rounds; ++r) {
+    multiply_avx2(v, t.signs + r * t.dim, 0.0f, t.dim);
+    float* block = v + (r % 2 == 0 ? 0 : t.dim - t.block);
+    walsh_hadamard_avx2(block, t.block);
+    multiply_avx2(block, nullptr, scale, t.block);
+    int64_t d = 0;
+    for (; d + 8 <= half; d += 8) {
+      const __m256 a = _mm256_loadu_ps(v + d), b = _mm256_loadu_ps(v + d + half);
+      _mm256_storeu_ps(v + d, _mm256_mul_ps(_mm256_add_ps(a, b), root));
+      _mm256_storeu_ps(v + d + half, _mm256_mul_ps(_mm256_sub_ps(a, b), root));
+    }
+    for (; d < half; ++d) {
+      const float a = v[d], b = v[d + half];
+      v[d] = (a + b) * half_root;
+      v[d + half] = (a - b) * half_root;
+    }
+  }
+}
+#endif
+
+using Rotate = void (*)(const QueryTransform&, float*);
+
+Rotate pick_rotate(bool vector_isa) {
+#ifdef TQVEC_X86
+  if (vector_isa && has_avx2()) return rotate_avx2;
+#endif
+  return rotate_scalar;
+}
+
 }  // namespace
 
 void prepare_queries(const QueryTransform& t, const Coarse& c, const float* queries, int64_t nq, int threads,
-                     float* rotated, int64_t* probe, float* probe_constant) {
-  const Dot dot = pick_dot();
-  const Matmat matmat = pick_matmat();
+                     bool vector_isa, float* rotated, int64_t* probe, float* probe_constant) {
+  const Dot dot = pick_dot(vector_isa);
+  const Matmat matmat = pick_matmat(vector_isa);
+  const Rotate rotate = pick_rotate(vector_isa);
   const int64_t n_probe = c.n_lists ? c.n_probe : 1;
   const float center_squared = t.center ? dot(t.center, t.center, t.dim) : 0.0f;
   // Blocks of up to kQueryBlock queries share each pass over the rotation and the centroids.
   const size_t blocks = static_cast<size_t>((nq + kQueryBlock - 1) / kQueryBlock);
   parallel_for(blocks, threads, [&](size_t begin, size_t end) {
-    std::vector<float> q(static_cast<size_t>(kQueryBlock * t.dim)), padded(static_cast<size_t>(t.out_dim));
+    std::vector<float> q(static_cast<size_t>(kQueryBlock * t.dim));
     std::vector<float> product(static_cast<size_t>(kQueryBlock * c.n_lists)), closeness(static_cast<size_t>(c.n_lists));
     std::vector<int64_t> order(static_cast<size_t>(c.n_lists));
     for (size_t block = begin; block < end; ++block) {
@@ -187,11 +294,10 @@ void prepare_queries(const QueryTransform& t, const Coarse& c, const float* quer
         continue;
       }
       for (int64_t j = 0; j < g; ++j) {
-        std::fill(padded.begin(), padded.end(), 0.0f);
-        for (int64_t d = 0; d < t.dim; ++d) padded[d] = q[j * t.dim + d] * t.signs[d];
-        walsh_hadamard(padded.data(), t.out_dim);
-        const float scale = 1.0f / std::sqrt(static_cast<float>(t.out_dim));
-        for (int64_t r = 0; r < t.out_dim; ++r) out[j * t.out_dim + r] = padded[r] * scale;
+        float* v = out + j * t.out_dim;
+        std::copy(q.begin() + j * t.dim, q.begin() + (j + 1) * t.dim, v);
+        std::fill(v + t.dim, v + t.out_dim, 0.0f);
+        rotate(t, v);
       }
     }
   });

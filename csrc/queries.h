@@ -10,8 +10,15 @@ namespace tqvec {
 // The rotation and centering that map a query to the codes' rotated domain.
 struct QueryTransform {
   int64_t dim, out_dim;      // query and rotated dimensions
-  const float* rotation;     // (out_dim, dim) row-major Haar matrix, or null for the Hadamard rotation
-  const float* signs;        // (out_dim,) Hadamard signs (out_dim a power of two >= dim), when rotation is null
+  const float* rotation;     // (out_dim, dim) row-major Haar matrix, or null for the Hadamard and FHT-Kac rotations
+  const float* signs;        // rounds == 0: (out_dim,) Hadamard signs (out_dim a power of two >= dim), applied to the
+                             // query zero-padded to out_dim before an orthonormal Walsh-Hadamard transform;
+                             // rounds > 0: (rounds, dim) FHT-Kac signs (out_dim == dim): round r multiplies by
+                             // signs[r], transforms `block` coordinates (the first in even rounds, the last in odd
+                             // ones; orthonormal), then maps (a, b) -> ((a + b), (a - b)) / sqrt(2) between the first
+                             // and second dim / 2 coordinates (tqvec.rotation.KacRotation)
+  int rounds;                // 0 (Haar or Hadamard) or the FHT-Kac rounds
+  int64_t block;             // FHT-Kac: the largest power of two <= dim
   bool normalize;            // divide the query by its norm first (cosine), at least kNormalizeEps
   const float* center;       // (dim,) or null: a flat index's center c, rotated q - c, constant <q, c> - <c, c>
 };
@@ -28,8 +35,9 @@ struct Coarse {
 constexpr float kNormalizeEps = 1e-12f;
 
 // For queries (nq, dim): rotated (nq, out_dim); probe (nq, n_probe) lists (best first) and their constants
-// probe_constant (nq, n_probe) (a flat index: n_probe 1). Runs on up to `threads` threads.
+// probe_constant (nq, n_probe) (a flat index: n_probe 1). Runs on up to `threads` threads, with AVX2 where the CPU
+// has it and `vector_isa` allows it.
 void prepare_queries(const QueryTransform& transform, const Coarse& coarse, const float* queries, int64_t nq, int threads,
-                     float* rotated, int64_t* probe, float* probe_constant);
+                     bool vector_isa, float* rotated, int64_t* probe, float* probe_constant);
 
 }  // namespace tqvec

@@ -99,15 +99,21 @@ def test_ivf_index_matches_torch(kernel, layout: str, metric: str, encoding: str
     _assert_same_results(*_search_both(kernel, index, q[:1], 10, nprobe=3))
 
 
+@pytest.mark.parametrize("max_isa", [0, 2])
+@pytest.mark.parametrize("rotation", ["hadamard", "fht-kac"])
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
-def test_hadamard_rotation_and_zero_queries_match_torch(kernel, metric: str) -> None:
-    """The kernel prepares queries itself (normalize, Walsh-Hadamard rotation with d = 93 padded to 128, probes):
-    as torch does, for a flat and an inverted-file index, a zero query included."""
+def test_structured_rotations_and_zero_queries_match_torch(kernel, monkeypatch, metric: str, rotation: str,
+                                                           max_isa: int) -> None:
+    """The kernel prepares queries itself (normalize, rotate, probe) as torch does, for a flat and an inverted-file
+    index, a zero query included: the Walsh-Hadamard rotation with d = 93 padded to 128, and the FHT-Kac rotation
+    at d = 93 (blocks of 64 at both ends, an odd coordinate left out of the butterflies); with the scalar code
+    (max_isa 0) and with AVX2 where the CPU has it."""
+    monkeypatch.setattr(_fastscan, "MAX_ISA", max_isa)
     x, q = _data(1200, 93, seed=20), _data(7, 93, seed=21)
     q[3] = 0.0
-    for index in (Index(93, 3, metric, rotation="hadamard", correction="center", seed=22),
-                  IVFIndex(93, 12, 3, metric, encoding="direct", rotation="hadamard", correction="center", seed=23),
-                  IVFIndex(93, 12, 4, metric, encoding="residual", rotation="hadamard", seed=24)):
+    for index in (Index(93, 3, metric, rotation=rotation, correction="center", seed=22),
+                  IVFIndex(93, 12, 3, metric, encoding="direct", rotation=rotation, correction="center", seed=23),
+                  IVFIndex(93, 12, 4, metric, encoding="residual", rotation=rotation, seed=24)):
         index.add(x)
         kw = {"nprobe": 5} if isinstance(index, IVFIndex) else {}
         _assert_same_results(*_search_both(kernel, index, q, 10, **kw))

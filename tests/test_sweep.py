@@ -115,7 +115,7 @@ def test_end_to_end_tiny_sweep(tmp_path) -> None:
     path = tmp_path / "tiny-32-euclidean.hdf5"
     write_ann_hdf5(path, AnnDataset("tiny", train, test, neighbors, distances, "euclidean"))
     out = tmp_path / "out"
-    assert sweep.main(["--dataset", str(path), "--queries", "20", "--runs", "1", "--only", "tqvec-ivf 4b residual",
+    assert sweep.main(["--dataset", str(path), "--queries", "20", "--runs", "1", "--only", "tqvec-ivf 4b residual$",
                        "--out", str(out)]) == 0
     data = json.loads((out / "sweep_tiny-32-euclidean.json").read_text())
     assert data["meta"]["queries"] == 20 and data["meta"]["nlist"] == 32
@@ -133,7 +133,7 @@ def test_end_to_end_tiny_sweep(tmp_path) -> None:
     for suffix in ("qps", "size", "build"):
         assert (out / f"sweep_tiny-32-euclidean_{suffix}.png").stat().st_size > 1000
     # --update re-runs one family and keeps the others' records
-    assert sweep.main(["--dataset", str(path), "--queries", "20", "--runs", "1", "--only", "tqvec-ivf 4b direct",
+    assert sweep.main(["--dataset", str(path), "--queries", "20", "--runs", "1", "--only", "tqvec-ivf 4b direct$",
                        "--out", str(out), "--update"]) == 0
     updated = json.loads((out / "sweep_tiny-32-euclidean.json").read_text())
     assert {r["family"] for r in updated["runs"]} == {"tqvec-ivf 4b residual", "tqvec-ivf 4b direct"}

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .packing import Layout
-from .rotation import Rotation
+from .rotation import KacRotation, Rotation
 
 try:
     from . import _native
@@ -253,9 +253,10 @@ def query_prep(rotation: Rotation, normalize: bool, center: torch.Tensor | None 
     ``by_ip``, else nearest in L2) with constant ``⟨q, c_l⟩`` (``residual``) or ``⟨q, base⟩`` (0 without ``base``).
     Hold the result while these tensors stay the same."""
     matrix = rotation.matrix("cpu") if rotation.kind == "haar" else None
-    signs = rotation.signs("cpu") if rotation.kind == "hadamard" else None
+    signs = rotation.signs("cpu").reshape(-1) if rotation.kind != "haar" else None
+    rounds = rotation.ROUNDS if isinstance(rotation, KacRotation) else 0
     half = None if centroids is None or by_ip else 0.5 * (centroids * centroids).sum(1)
-    return _native.Queries(rotation.dim, _array(matrix, np.float32), _array(signs, np.float32), normalize,
+    return _native.Queries(rotation.dim, _array(matrix, np.float32), _array(signs, np.float32), rounds, normalize,
                            _array(center, np.float32), _array(centroids, np.float32), _array(half, np.float32), residual,
                            _array(base, np.float32))
 

@@ -14,6 +14,7 @@ import torch
 
 from . import _fastscan, scan
 from .quantizer import Codes, TurboQuantizer
+from .rotation import ROTATION_KINDS
 from .validation import MAX_ID, as_device, as_ids, check_array, check_bits, check_choice, check_positive_int, check_seed
 
 METRICS = ("ip", "l2", "cosine")
@@ -184,7 +185,7 @@ class CodedRows:
         self.metric = check_choice("metric", metric, METRICS)
         self.mode = check_choice("mode", mode, ("mse", "prod"))
         check_choice("correction", correction, CORRECTIONS)
-        check_choice("rotation", rotation, ("haar", "hadamard"))
+        check_choice("rotation", rotation, ROTATION_KINDS)
         self.row_bytes = math.ceil(self.dim * self.bits / 8)
         return check_seed(seed), as_device(device)
 

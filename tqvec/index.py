@@ -90,7 +90,7 @@ class Index(CodedRows):
         Storage budget per dimension, everything counted but the id (≥ 1, fractional allowed).
     metric : {"ip", "l2", "cosine"}
     mode, seed, rotation, correction : keyword-only
-        ``"mse"`` | ``"prod"``; rotation seed; ``"haar"`` | ``"hadamard"``; ``"auto"`` | ``"none"`` |
+        ``"mse"`` | ``"prod"``; rotation seed; ``"haar"`` | ``"hadamard"`` | ``"fht-kac"``; ``"auto"`` | ``"none"`` |
         ``"rescale"`` | ``"center"`` (module docstring).
     rerank_bits : float, optional
         Also keep a finer code at that many bits per dimension for ``search(..., rerank=R)`` (extra bytes).

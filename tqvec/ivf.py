@@ -78,7 +78,7 @@ class IVFIndex(CodedRows):
     metric : {"ip", "l2", "cosine"}
     mode, encoding, seed, rotation, correction : keyword-only
         ``"mse"`` | ``"prod"``; ``"residual"`` (codes of ``x − centroid``) | ``"direct"``; rotation seed;
-        ``"haar"`` | ``"hadamard"``; ``"auto"`` | ``"none"`` | ``"rescale"`` | ``"center"``.
+        ``"haar"`` | ``"hadamard"`` | ``"fht-kac"``; ``"auto"`` | ``"none"`` | ``"rescale"`` | ``"center"``.
     rerank_bits : float, optional
         A finer code for ``search(..., rerank=R)`` (extra bytes).
     nprobe : int

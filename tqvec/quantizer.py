@@ -28,7 +28,7 @@ import torch
 from . import scan
 from .codebook import lloyd_max_codebook
 from .packing import Layout, layout_for_bytes, pack, pack_signs, split_channels, unpack, unpack_signs
-from .rotation import gaussian_matrix, make_rotation, rotated_dim, rowwise_matmul
+from .rotation import ROTATION_KINDS, gaussian_matrix, make_rotation, rotated_dim, rowwise_matmul
 from .validation import as_float_matrix, check_bits, check_choice, check_positive_int
 
 MODES = ("mse", "prod")
@@ -162,7 +162,7 @@ class TurboQuantizer:
         Bits per coordinate, 1–8, fractional allowed (channels split between two widths).
     mode : {"mse", "prod"}
         ``"prod"`` spends one bit per channel on a QJL sign code of the residual (unbiased inner products).
-    rotation : {"haar", "hadamard"}, keyword-only
+    rotation : {"haar", "hadamard", "fht-kac"}, keyword-only
         Dense Haar (O(d²)) or randomized Hadamard (fast; pads to a power of two D ≥ dim).
     seed : int, keyword-only
     rescale : bool, keyword-only
@@ -196,7 +196,7 @@ class TurboQuantizer:
             raise ValueError(f"dim must be at least 2, got {dim}")
         self.bits = check_bits(bits)
         self.mode = check_choice("mode", mode, MODES)
-        check_choice("rotation", rotation, ("haar", "hadamard"))
+        check_choice("rotation", rotation, ROTATION_KINDS)
         if rescale and mode != "mse":
             raise ValueError("rescale applies to mode='mse' only (prod scores are already unbiased)")
         self.seed, self.rescale = int(seed), bool(rescale)
@@ -227,7 +227,7 @@ class TurboQuantizer:
                   rescale: bool = False) -> "TurboQuantizer":
         """The quantizer whose packed codes (and, in ``prod`` mode, QJL bits) fill at most ``code_bytes`` bytes
         per vector, bits spread as evenly as possible over the rotated channels."""
-        channels = rotated_dim(check_choice("rotation", rotation, ("haar", "hadamard")), dim)
+        channels = rotated_dim(check_choice("rotation", rotation, ROTATION_KINDS), dim)
         mse_bytes = code_bytes - (math.ceil(channels / 8) if mode == "prod" else 0)
         if mse_bytes < 0 or (mode == "mse" and mse_bytes == 0):
             raise ValueError(f"{code_bytes} bytes per vector leaves no room for codes at dim={dim} in {mode!r} mode")

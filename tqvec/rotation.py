@@ -6,8 +6,11 @@
 * :class:`HadamardRotation` — a randomized Hadamard transform ``H·D/√P`` (random ±1 signs D, fast
   Walsh–Hadamard H) on vectors zero-padded to the next power of two P ≥ d. ``O(P log P)`` per vector;
   the rotated vectors have P coordinates, so codes cost P, not d, channels when d is not a power of two.
+* :class:`KacRotation` — the FHT-Kac rotation (as in RaBitQ's library): rounds of random signs, an orthonormal
+  Walsh–Hadamard transform on a power-of-two block of the coordinates and a butterfly between their two halves.
+  ``O(d log d)`` per vector and no padding: d coordinates out, so codes cost d channels at any d.
 
-Both map ``(n, dim)`` → ``(n, out_dim)`` with :meth:`forward` and back with :meth:`inverse`, and on the
+All three map ``(n, dim)`` → ``(n, out_dim)`` with :meth:`forward` and back with :meth:`inverse`, and on the
 CPU row ``i`` of the result depends on row ``i`` of the input alone (:func:`rowwise_matmul`).
 """
 from __future__ import annotations
@@ -138,8 +141,64 @@ class HadamardRotation:
         return x[..., : self.dim]
 
 
-Rotation = HaarRotation | HadamardRotation
-ROTATIONS = {"haar": HaarRotation, "hadamard": HadamardRotation}
+_SQRT_HALF = math.sqrt(0.5)
+
+
+def _butterfly(x: torch.Tensor) -> torch.Tensor:
+    """``(a, b) → ((a + b)/√2, (a − b)/√2)`` between the first and second ``⌊d/2⌋`` coordinates of the last axis (an odd
+    d keeps its last coordinate): orthogonal and its own inverse."""
+    half = x.shape[-1] // 2
+    a, b, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return torch.cat(((a + b) * _SQRT_HALF, (a - b) * _SQRT_HALF, rest), dim=-1)
+
+
+class KacRotation(HaarRotation):
+    """The FHT-Kac rotation: ``Π = K_R ⋯ K_1`` with R = :attr:`ROUNDS` rounds ``K_r = B·H_r·D_r``: random ±1 signs
+    ``D_r`` on all d coordinates, an orthonormal Walsh–Hadamard transform ``H_r`` on P = 2^⌊log₂ d⌋ of them (the
+    first P in even rounds, the last P in odd rounds), and the butterfly B between the first and second halves
+    (``_butterfly``).
+
+    Every factor is orthogonal, so Π is; nothing is padded (d channels out, unlike :class:`HadamardRotation`).
+    One round maps a one-hot vector to ±1/√P on P coordinates; eight rounds spread every input over all d
+    coordinates with the density the codebooks assume. The native CPU search applies the rounds to each query in
+    ``O(R·d log d)``; torch (encoding, the reference path) multiplies by Π, built once in float64 like
+    :class:`HaarRotation`'s matrix, so both share its batch-invariant product.
+
+    >>> rotation = KacRotation(784, seed=0)
+    >>> x = torch.randn(3, 784)
+    >>> torch.allclose(rotation.inverse(rotation.forward(x)), x, atol=1e-5)
+    True
+    """
+
+    kind = "fht-kac"
+    ROUNDS = 8
+
+    def __init__(self, dim: int, seed: int) -> None:
+        self.dim = self.out_dim = dim
+        self.block = 1 << max(0, math.floor(math.log2(dim)))
+        signs = torch.randint(0, 2, (self.ROUNDS, dim), generator=_generator(seed), dtype=torch.float64) * 2 - 1
+        self._signs = _PerDevice(signs)
+        self._matrix = _PerDevice(self.apply_rounds(torch.eye(dim, dtype=torch.float64), signs).T.contiguous())
+
+    def signs(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The random ±1 signs ``(ROUNDS, dim)`` as float32 on ``device`` (cached per device)."""
+        return self._signs.get(device)
+
+    def apply_rounds(self, x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+        """``x @ Πᵀ`` ``(n, dim)`` → ``(n, dim)`` computed round by round with the ``(ROUNDS, dim)`` ``signs``, in
+        ``x``'s dtype (the definition of Π, and the native search's order of operations)."""
+        for r in range(self.ROUNDS):
+            start = 0 if r % 2 == 0 else self.dim - self.block
+            x = x * signs[r]
+            block = fast_walsh_hadamard(x[..., start:start + self.block]) / math.sqrt(self.block)
+            x = _butterfly(torch.cat((x[..., :start], block, x[..., start + self.block:]), dim=-1))
+        return x
+
+
+Rotation = HaarRotation | HadamardRotation | KacRotation
+ROTATIONS = {"haar": HaarRotation, "hadamard": HadamardRotation, "fht-kac": KacRotation}
+#: the rotation kinds, for argument checks
+ROTATION_KINDS = tuple(ROTATIONS)
 
 
 def rotated_dim(kind: str, dim: int) -> int:
@@ -148,7 +207,7 @@ def rotated_dim(kind: str, dim: int) -> int:
 
 
 def make_rotation(kind: str, dim: int, seed: int) -> Rotation:
-    """Build the rotation named ``kind`` ("haar" or "hadamard")."""
+    """Build the rotation named ``kind`` (one of :data:`ROTATION_KINDS`)."""
     if kind not in ROTATIONS:
         raise ValueError(f"unknown rotation {kind!r}; expected one of {sorted(ROTATIONS)}")
     return ROTATIONS[kind](dim, seed)

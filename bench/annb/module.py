@@ -1,7 +1,7 @@
 """tqvec as an ann-benchmarks algorithm: ``bench/annb/install_harness.py`` copies this folder's ``module.py``,
 ``config.yml`` and ``Dockerfile`` to ``ann_benchmarks/algorithms/tqvec/`` of an ann-benchmarks checkout.
 
-``TqvecIVF(metric, bits, encoding, nlist, rerank_bits)`` builds a :class:`tqvec.ivf.IVFIndex`;
+``TqvecIVF(metric, bits, encoding, nlist, rerank_bits, rotation)`` builds a :class:`tqvec.ivf.IVFIndex`;
 ``set_query_arguments(nprobe, rerank)`` sets the lists probed and the re-ranking depth factor (0: none).
 Angular data are searched with ``metric="cosine"``, euclidean with ``"l2"``.
 
@@ -75,13 +75,14 @@ def release_free_heap() -> None:
 class TqvecIVF(BaseANN):
     """tqvec's inverted-file TurboQuant index. ``bits``: storage bits per dimension (codes + side info);
     ``encoding``: "residual" | "direct"; ``nlist``: coarse lists (clipped to the number of rows);
-    ``rerank_bits``: bits of the re-ranking code, 0 for none."""
+    ``rerank_bits``: bits of the re-ranking code, 0 for none; ``rotation``: "haar" | "hadamard" | "fht-kac"."""
 
     def __init__(self, metric: str, bits: float, encoding: str = "residual", nlist: int = 1024,
-                 rerank_bits: float = 0) -> None:
+                 rerank_bits: float = 0, rotation: str = "haar") -> None:
         if metric not in METRICS:
             raise ValueError(f"unsupported metric {metric!r}")
         self._metric, self._bits, self._encoding, self._nlist = metric, bits, encoding, int(nlist)
+        self._rotation = rotation
         self._rerank_bits = rerank_bits or None
         self._nprobe, self._rerank = 1, 0
         self.index: IVFIndex | None = None
@@ -92,7 +93,7 @@ class TqvecIVF(BaseANN):
         with torch_threads(allowed_cpus()):
             x = np.ascontiguousarray(X, dtype=np.float32)
             index = IVFIndex(x.shape[1], min(self._nlist, len(x)), self._bits, METRICS[self._metric],
-                             encoding=self._encoding, rerank_bits=self._rerank_bits)
+                             encoding=self._encoding, rerank_bits=self._rerank_bits, rotation=self._rotation)
             index.train(x)
             index.add(x)
             del x
@@ -139,5 +140,6 @@ class TqvecIVF(BaseANN):
 
     def __str__(self) -> str:
         rerank = f", rerank_bits={self._rerank_bits:g}, rerank={self._rerank}" if self._rerank_bits else ""
-        return (f"TqvecIVF(bits={self._bits:g}, encoding={self._encoding}, nlist={self._nlist}, "
+        rotation = f", rotation={self._rotation}" if self._rotation != "haar" else ""
+        return (f"TqvecIVF(bits={self._bits:g}, encoding={self._encoding}, nlist={self._nlist}{rotation}, "
                 f"nprobe={self._nprobe}{rerank})")
