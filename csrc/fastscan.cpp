@@ -73,7 +73,7 @@ class BestRows {
 };
 
 // Step t's float table of one query: lut[offset[t] + c] = sum over the step's channels of query[channel] * level.
-void float_table(const Plan& plan, int t, const float* query, float* lut) {
+__attribute__((always_inline)) inline void float_table(const Plan& plan, int t, const float* query, float* lut) {
   const int32_t size = plan.offset[t + 1] - plan.offset[t];
   const int32_t* channel = plan.channel + t * kMaxStepChannels;
   const float* level = plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[t];
@@ -87,10 +87,27 @@ void float_table(const Plan& plan, int t, const float* query, float* lut) {
   }
 }
 
-// The float tables of every step.
-void float_tables(const Plan& plan, const float* query, float* lut) {
-  for (int t = 0; t < plan.n_steps; ++t) float_table(plan, t, query, lut);
+// The float tables of the steps `steps` (every step when null).
+__attribute__((always_inline)) inline void float_tables_of(const Plan& plan, const std::vector<int32_t>* steps,
+                                                         const float* query, float* lut) {
+  if (!steps) {
+    for (int t = 0; t < plan.n_steps; ++t) float_table(plan, t, query, lut);
+    return;
+  }
+  for (int32_t t : *steps) float_table(plan, t, query, lut);
 }
+
+// float_tables_of compiled for the baseline ISA, and for AVX2 (the loops over a step's entries run 8 wide).
+void float_tables(const Plan& plan, const std::vector<int32_t>* steps, const float* query, float* lut) {
+  float_tables_of(plan, steps, query, lut);
+}
+
+#ifdef TQVEC_X86
+__attribute__((target("avx2,fma"))) void float_tables_avx2(const Plan& plan, const std::vector<int32_t>* steps, const float* query,
+                                                           float* lut) {
+  float_tables_of(plan, steps, query, lut);
+}
+#endif
 
 // The steps as exact scoring reads them: bytes whose two nibbles are two 4-bit steps (most codes of at most 4
 // bits), then the others one at a time.
@@ -907,6 +924,11 @@ const char* search(const SearchArgs& a, Isa max_isa) {
   const StepOps& ops = two_stage ? a.signs->steps->ops : steps.ops;
 #endif
 
+#ifdef TQVEC_X86
+  const auto tables = vector_isa ? float_tables_avx2 : float_tables;
+#else
+  const auto tables = float_tables;
+#endif
   auto scan_items = [&](size_t begin, size_t end) {
     // uninitialized: the two-stage scan fills (and reads) only the tables of the steps its exact scores look up
     std::unique_ptr<float[]> luts(new float[table_entries(a.plan) * static_cast<size_t>(group)]);
@@ -917,10 +939,10 @@ const char* search(const SearchArgs& a, Isa max_isa) {
         const float* query = a.queries + q * a.dim;
         float* lut = luts.get() + (q - w.query) * table_entries(a.plan);
         if (two_stage) {
-          for (int32_t t : steps.exact_runs.table_steps) float_table(a.plan, t, query, lut);
-          float_tables(table_plan, query, sign_luts.get() + (q - w.query) * table_entries(table_plan));
+          tables(a.plan, &steps.exact_runs.table_steps, query, lut);
+          tables(table_plan, nullptr, query, sign_luts.get() + (q - w.query) * table_entries(table_plan));
         } else {
-          float_tables(a.plan, query, lut);
+          tables(a.plan, nullptr, query, lut);
         }
       }
       std::vector<BestRows> best(static_cast<size_t>(w.query_end - w.query), BestRows(keep));

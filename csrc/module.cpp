@@ -8,6 +8,8 @@
 #include <nanobind/stl/string.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <limits>
 #include <optional>
 #include <stdexcept>
@@ -151,9 +153,11 @@ class RowsHandle {
 class QueryHandle {
  public:
   QueryHandle(int64_t dim, Array<float> rotation, Array<float> signs, int rounds, bool normalize, Array<float> center,
-              Array<float> centroids, Array<float> half_squared, bool residual, Array<float> base)
-      : rotation_(rotation), signs_(signs), center_(center), centroids_(centroids), half_squared_(half_squared), base_(base) {
+              Array<float> centroids, Array<float> half_squared, bool residual, Array<float> base, double max_squared_norm)
+      : rotation_(rotation), signs_(signs), center_(center), centroids_(centroids), half_squared_(half_squared), base_(base),
+        max_squared_norm_(max_squared_norm) {
     require(dim >= 1, "dim must be positive");
+    require(max_squared_norm > 0.0, "max_squared_norm must be positive");
     require(rounds >= 0, "rounds must be >= 0");
     const bool haar = rotation.size() > 0;
     require(haar != (signs.size() > 0), "give the rotation matrix or the Hadamard / FHT-Kac signs");
@@ -180,9 +184,11 @@ class QueryHandle {
 
   const tqvec::QueryTransform& transform() const { return transform_; }
   const tqvec::Coarse& coarse() const { return coarse_; }
+  double max_squared_norm() const { return max_squared_norm_; }
 
  private:
   Array<float> rotation_, signs_, center_, centroids_, half_squared_, base_;  // referenced while the handle lives
+  double max_squared_norm_;
   tqvec::QueryTransform transform_{};
   tqvec::Coarse coarse_{};
 };
@@ -239,6 +245,21 @@ nb::tuple search(const PlanHandle& plan, const RowsHandle& source, Array<float, 
   return nb::make_tuple(out_values, out_rows, kernel);
 }
 
+// ValueError worded as tqvec.validation words it, from the queries' squared norms (double): "contains NaN or Inf"
+// when one is not finite, else the first row whose squared norm exceeds `bound`.
+void check_query_norms(const std::vector<double>& squared, double bound) {
+  for (double s : squared)
+    if (!std::isfinite(s)) throw std::invalid_argument("queries contains NaN or Inf");
+  for (size_t i = 0; i < squared.size(); ++i)
+    if (squared[i] > bound) {
+      char message[160];
+      std::snprintf(message, sizeof(message),
+                    "queries row %zu has squared L2 norm %.3g, more than the %.2g that float32 scoring can hold", i, squared[i],
+                    bound);
+      throw std::invalid_argument(message);
+    }
+}
+
 // Prepares raw queries (nq, dim) as `prep` says (rotation, probed lists and their constants), searches `source` with
 // them, all on the search's threads, and answers as the index does: (D (nq, k) float32, I (nq, k) int64 ids from
 // `ids` (one per row), kernel name); D holds the scores, or for `l2` the distances |q|^2 - 2 score; no result:
@@ -261,10 +282,13 @@ nb::tuple search_queries(const PlanHandle& plan, const RowsHandle& source, const
   }
   std::vector<float> rotated(static_cast<size_t>(nq * prep.transform().out_dim)), constant(static_cast<size_t>(nq * n_probe));
   std::vector<int64_t> probe(static_cast<size_t>(nq * n_probe));
+  std::vector<double> squared(static_cast<size_t>(nq));
   {
     nb::gil_scoped_release release;
-    tqvec::prepare_queries(prep.transform(), coarse, queries.data(), nq, threads, max_isa >= 1, rotated.data(), probe.data(), constant.data());
+    tqvec::prepare_queries(prep.transform(), coarse, queries.data(), nq, threads, max_isa >= 1, squared.data(), rotated.data(),
+                           probe.data(), constant.data());
   }
+  check_query_norms(squared, prep.max_squared_norm());
   auto* distances = new float[static_cast<size_t>(nq * k)];
   auto* labels = new int64_t[static_cast<size_t>(nq * k)];
   auto out_distances = owned(distances, nq, k);
@@ -273,16 +297,11 @@ nb::tuple search_queries(const PlanHandle& plan, const RowsHandle& source, const
                                   n_probe, k, rescore, confidence, threads, max_isa, distances, labels);
   const float none = l2 ? std::numeric_limits<float>::infinity() : -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < nq; ++i) {
-    float squared = 0.0f;
-    if (l2) {
-      double sum = 0.0;
-      for (int64_t d = 0; d < dim; ++d) sum += static_cast<double>(queries.data()[i * dim + d]) * queries.data()[i * dim + d];
-      squared = static_cast<float>(sum);
-    }
+    const float norm_squared = static_cast<float>(squared[i]);
     for (int64_t j = i * k; j < (i + 1) * k; ++j) {
       const int64_t row = labels[j];
       labels[j] = row >= 0 ? ids.data()[row] : -1;
-      distances[j] = row < 0 ? none : l2 ? squared - 2.0f * distances[j] : distances[j];
+      distances[j] = row < 0 ? none : l2 ? norm_squared - 2.0f * distances[j] : distances[j];
     }
     for (int64_t j = i * k; j < (i + 1) * k;) {  // equal distances in id order, as every tqvec search answers
       int64_t end = j + 1;
@@ -355,9 +374,10 @@ NB_MODULE(_native, m) {
   m.def("search", &search, nb::arg("plan"), nb::arg("rows"), nb::arg("queries"), nb::arg("probe"), nb::arg("probe_constant"),
         nb::arg("k"), nb::arg("rescore"), nb::arg("confidence"), nb::arg("threads"), nb::arg("max_isa"));
   nb::class_<QueryHandle>(m, "Queries", "What an index does to its queries before the scan.")
-      .def(nb::init<int64_t, Array<float>, Array<float>, int, bool, Array<float>, Array<float>, Array<float>, bool, Array<float>>(),
-           nb::arg("dim"), nb::arg("rotation"), nb::arg("signs"), nb::arg("rounds"), nb::arg("normalize"), nb::arg("center"), nb::arg("centroids"),
-           nb::arg("half_squared"), nb::arg("residual"), nb::arg("base"));
+      .def(nb::init<int64_t, Array<float>, Array<float>, int, bool, Array<float>, Array<float>, Array<float>, bool, Array<float>,
+                    double>(),
+           nb::arg("dim"), nb::arg("rotation"), nb::arg("signs"), nb::arg("rounds"), nb::arg("normalize"), nb::arg("center"),
+           nb::arg("centroids"), nb::arg("half_squared"), nb::arg("residual"), nb::arg("base"), nb::arg("max_squared_norm"));
   m.def("search_queries", &search_queries, nb::arg("plan"), nb::arg("rows"), nb::arg("prep"), nb::arg("queries"),
         nb::arg("ids"), nb::arg("l2"), nb::arg("n_probe"), nb::arg("k"), nb::arg("rescore"), nb::arg("confidence"),
         nb::arg("threads"), nb::arg("max_isa"));

@@ -42,6 +42,33 @@ __attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* 
 }
 #endif
 
+// Sum of x[d]^2 in double precision (NaN or Inf in x make it non-finite; a float32 squared cannot overflow it).
+double squared_norm_scalar(const float* x, int64_t n) {
+  double s[4] = {0.0, 0.0, 0.0, 0.0};
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4)
+    for (int j = 0; j < 4; ++j) s[j] += static_cast<double>(x[i + j]) * x[i + j];
+  for (; i < n; ++i) s[0] += static_cast<double>(x[i]) * x[i];
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+#ifdef TQVEC_X86
+__attribute__((target("avx2,fma"))) double squared_norm_avx2(const float* x, int64_t n) {
+  __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256d a = _mm256_cvtps_pd(_mm_loadu_ps(x + i)), b = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4));
+    s0 = _mm256_fmadd_pd(a, a, s0);
+    s1 = _mm256_fmadd_pd(b, b, s1);
+  }
+  alignas(32) double part[4];
+  _mm256_store_pd(part, _mm256_add_pd(s0, s1));
+  double s = (part[0] + part[1]) + (part[2] + part[3]);
+  for (; i < n; ++i) s += static_cast<double>(x[i]) * x[i];
+  return s;
+}
+#endif
+
 // y[r] = <m[r], x> for the rows r of the row-major (rows, n) matrix m.
 void matvec_scalar(const float* m, int64_t rows, int64_t n, const float* x, float* y) {
   for (int64_t r = 0; r < rows; ++r) y[r] = dot_scalar(m + r * n, x, n);
@@ -107,6 +134,7 @@ __attribute__((target("avx2,fma"))) void matmat_avx2(const float* m, int64_t row
 #endif
 
 using Dot = float (*)(const float*, const float*, int64_t);
+using SquaredNorm = double (*)(const float*, int64_t);
 using Matmat = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*);
 
 Dot pick_dot(bool vector_isa) {
@@ -114,6 +142,13 @@ Dot pick_dot(bool vector_isa) {
   if (vector_isa && has_avx2()) return dot_avx2;
 #endif
   return dot_scalar;
+}
+
+SquaredNorm pick_squared_norm(bool vector_isa) {
+#ifdef TQVEC_X86
+  if (vector_isa && has_avx2()) return squared_norm_avx2;
+#endif
+  return squared_norm_scalar;
 }
 
 Matmat pick_matmat(bool vector_isa) {
@@ -243,8 +278,9 @@ Rotate pick_rotate(bool vector_isa) {
 }  // namespace
 
 void prepare_queries(const QueryTransform& t, const Coarse& c, const float* queries, int64_t nq, int threads,
-                     bool vector_isa, float* rotated, int64_t* probe, float* probe_constant) {
+                     bool vector_isa, double* squared, float* rotated, int64_t* probe, float* probe_constant) {
   const Dot dot = pick_dot(vector_isa);
+  const SquaredNorm squared_norm = pick_squared_norm(vector_isa);
   const Matmat matmat = pick_matmat(vector_isa);
   const Rotate rotate = pick_rotate(vector_isa);
   const int64_t n_probe = c.n_lists ? c.n_probe : 1;
@@ -258,6 +294,7 @@ void prepare_queries(const QueryTransform& t, const Coarse& c, const float* quer
     for (size_t block = begin; block < end; ++block) {
       const int64_t first = static_cast<int64_t>(block) * kQueryBlock, g = std::min(kQueryBlock, nq - first);
       std::copy(queries + first * t.dim, queries + (first + g) * t.dim, q.begin());
+      for (int64_t j = 0; j < g; ++j) squared[first + j] = squared_norm(q.data() + j * t.dim, t.dim);
       for (int64_t j = 0; t.normalize && j < g; ++j) {
         float* v = q.data() + j * t.dim;
         const float scale = 1.0f / std::max(std::sqrt(dot(v, v, t.dim)), kNormalizeEps);

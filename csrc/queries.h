@@ -34,10 +34,11 @@ struct Coarse {
 
 constexpr float kNormalizeEps = 1e-12f;
 
-// For queries (nq, dim): rotated (nq, out_dim); probe (nq, n_probe) lists (best first) and their constants
-// probe_constant (nq, n_probe) (a flat index: n_probe 1). Runs on up to `threads` threads, with AVX2 where the CPU
-// has it and `vector_isa` allows it.
+// For queries (nq, dim): squared (nq,) their squared norms |q|^2 in double precision (not finite where a query
+// holds NaN or Inf; the caller checks them before it scans); rotated (nq, out_dim); probe (nq, n_probe) lists (best
+// first) and their constants probe_constant (nq, n_probe) (a flat index: n_probe 1). Runs on up to `threads`
+// threads, with AVX2 where the CPU has it and `vector_isa` allows it.
 void prepare_queries(const QueryTransform& transform, const Coarse& coarse, const float* queries, int64_t nq, int threads,
-                     bool vector_isa, float* rotated, int64_t* probe, float* probe_constant);
+                     bool vector_isa, double* squared, float* rotated, int64_t* probe, float* probe_constant);
 
 }  // namespace tqvec

@@ -29,6 +29,7 @@ import torch
 
 from .packing import Layout
 from .rotation import KacRotation, Rotation
+from .validation import MAX_SQUARED_NORM
 
 try:
     from . import _native
@@ -258,13 +259,15 @@ def query_prep(rotation: Rotation, normalize: bool, center: torch.Tensor | None 
     half = None if centroids is None or by_ip else 0.5 * (centroids * centroids).sum(1)
     return _native.Queries(rotation.dim, _array(matrix, np.float32), _array(signs, np.float32), rounds, normalize,
                            _array(center, np.float32), _array(centroids, np.float32), _array(half, np.float32), residual,
-                           _array(base, np.float32))
+                           _array(base, np.float32), MAX_SQUARED_NORM)
 
 
 def search_queries(queries: np.ndarray, source: _native.Rows, steps: Plan, prep: _native.Queries, k: int, ids: np.ndarray,
                    l2: bool, nprobe: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """An index search of raw ``queries`` ``(nq, dim)`` float32 (validated), prepared natively as ``prep`` says
-    (:func:`query_prep`), probing ``nprobe`` lists when it has centroids, in one call on the search's threads.
+    """An index search of raw ``queries`` ``(nq, dim)`` float32 (shape and dtype validated), prepared natively as
+    ``prep`` says (:func:`query_prep`), probing ``nprobe`` lists when it has centroids, in one call on the search's
+    threads. The kernel checks the queries' values as :func:`tqvec.validation.check_array_norms` does (the same
+    ``ValueError``: NaN or Inf, or a row's squared norm beyond ``MAX_SQUARED_NORM``) before it scans.
 
     Returns FAISS-style ``(D, I)`` ``(nq, k)``: ``I`` the ``ids`` (one per row) of the best rows, ``D`` their scores,
     or with ``l2`` the distances ``‖q‖² − 2·score``; −1 and −inf (+inf for ``l2``) where fewer than ``k`` rows exist.

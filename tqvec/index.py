@@ -294,7 +294,7 @@ class Index(CodedRows):
         """
         k = check_positive_int("k", k)
         if rerank is None and scan.native_queries(self.device, self.quantizer.mode):
-            return self._search_native(as_float_array(queries, self.dim, "queries"), k)
+            return self._search_native(as_float_array(queries, self.dim, "queries", check_values=False), k)
         q = as_float_matrix(queries, self.dim, "queries", self.device)
         if rerank is not None:
             rerank = check_positive_int("rerank", rerank)
@@ -319,7 +319,8 @@ class Index(CodedRows):
         return search_results(self.metric, q, values + constant[:, None], rows, live.ids, k=k)
 
     def _search_native(self, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`search` of validated CPU queries ``x`` ``(nq, dim)`` in one native call (:func:`tqvec.scan.search_queries`)."""
+        """:meth:`search` of CPU queries ``x`` ``(nq, dim)`` (shape and dtype validated; values checked by the kernel) in
+        one native call (:func:`tqvec.scan.search_queries`)."""
         published = self._rows  # consistent snapshot (module docstring)
         n = published.size
         if not published.scoring:

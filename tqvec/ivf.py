@@ -357,7 +357,8 @@ class IVFIndex(CodedRows):
         nprobe = self.nprobe if nprobe is None else check_positive_int("nprobe", nprobe)
         snap = self._snap  # consistent snapshot (module docstring)
         if rerank is None and snap.size and self.centroids is not None and scan.native_queries(self.device, self.mode):
-            return self._search_native(snap, as_float_array(queries, self.dim, "queries"), k, min(nprobe, self.nlist))
+            x = as_float_array(queries, self.dim, "queries", check_values=False)  # values: checked by the kernel
+            return self._search_native(snap, x, k, min(nprobe, self.nlist))
         q = as_float_matrix(queries, self.dim, "queries", self.device)
         if rerank is not None:
             rerank = check_positive_int("rerank", rerank)

@@ -163,7 +163,8 @@ class TurboQuantizer:
     mode : {"mse", "prod"}
         ``"prod"`` spends one bit per channel on a QJL sign code of the residual (unbiased inner products).
     rotation : {"haar", "hadamard", "fht-kac"}, keyword-only
-        Dense Haar (O(d²)) or randomized Hadamard (fast; pads to a power of two D ≥ dim).
+        Dense Haar (O(d²)), randomized Hadamard (fast; pads to a power of two D ≥ dim), or FHT-Kac (Hadamard
+        rounds without padding; the native CPU search rotates each query in O(d log d)).
     seed : int, keyword-only
     rescale : bool, keyword-only
         Store ``‖x‖ / ⟨ŷ, Πx/‖x‖⟩`` instead of ``‖x‖`` (removes each vector's shrinkage).

@@ -62,12 +62,14 @@ def as_float_matrix(x: Any, dim: int, name: str = "x", device: torch.device | st
     return x
 
 
-def as_float_array(x: Any, dim: int, name: str = "x") -> np.ndarray:
+def as_float_array(x: Any, dim: int, name: str = "x", *, check_values: bool = True) -> np.ndarray:
     """:func:`as_float_matrix` of ``x`` on the CPU, as a C-contiguous float32 numpy array: the same input
     accepted, the same ``ValueError`` raised.
 
-    A float32 ``(n, dim)`` numpy array that is C-contiguous and aligned is checked by numpy and returned as it
-    is (no copy, no torch tensor); anything else goes through :func:`as_float_matrix`.
+    A float32 ``(n, dim)`` numpy array that is C-contiguous and aligned is returned as it is (no copy, no torch
+    tensor) after numpy checks its values (:func:`check_array_norms`), or unchecked with ``check_values=False``
+    (for a consumer that checks them itself, as the native search does); anything else goes through
+    :func:`as_float_matrix`, which checks them.
 
     >>> x = np.ones((2, 3), np.float32)
     >>> as_float_array(x, 3) is x
@@ -79,7 +81,8 @@ def as_float_array(x: Any, dim: int, name: str = "x") -> np.ndarray:
     """
     if (type(x) is np.ndarray and x.dtype == np.float32 and x.ndim == 2 and x.shape[1] == dim
             and x.flags.c_contiguous and x.flags.aligned):
-        check_array_norms(x, name)
+        if check_values:
+            check_array_norms(x, name)
         return x
     return as_float_matrix(x, dim, name, "cpu").numpy()
 
