@@ -73,23 +73,22 @@ class BestRows {
 };
 
 // Step t's float table of one query: lut[offset[t] + c] = sum over the step's channels of query[channel] * level.
-__attribute__((always_inline)) inline void float_table(const Plan& plan, int t, const float* query, float* lut) {
+inline void float_table(const Plan& plan, int t, const float* query, float* lut) {
   const int32_t size = plan.offset[t + 1] - plan.offset[t];
   const int32_t* channel = plan.channel + t * kMaxStepChannels;
-  const float* level = plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[t];
-  float* out = lut + plan.offset[t];
+  const float* __restrict__ level = plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[t];
+  float* __restrict__ out = lut + plan.offset[t];
   const float q0 = channel[0] >= 0 ? query[channel[0]] : 0.0f;
   for (int32_t e = 0; e < size; ++e) out[e] = q0 * level[e];
   for (int j = 1; j < kMaxStepChannels && channel[j] >= 0; ++j) {
     const float qj = query[channel[j]];
-    const float* lj = level + j * size;
+    const float* __restrict__ lj = level + j * size;
     for (int32_t e = 0; e < size; ++e) out[e] += qj * lj[e];
   }
 }
 
 // The float tables of the steps `steps` (every step when null).
-__attribute__((always_inline)) inline void float_tables_of(const Plan& plan, const std::vector<int32_t>* steps,
-                                                         const float* query, float* lut) {
+void float_tables(const Plan& plan, const std::vector<int32_t>* steps, const float* query, float* lut) {
   if (!steps) {
     for (int t = 0; t < plan.n_steps; ++t) float_table(plan, t, query, lut);
     return;
@@ -97,15 +96,30 @@ __attribute__((always_inline)) inline void float_tables_of(const Plan& plan, con
   for (int32_t t : *steps) float_table(plan, t, query, lut);
 }
 
-// float_tables_of compiled for the baseline ISA, and for AVX2 (the loops over a step's entries run 8 wide).
-void float_tables(const Plan& plan, const std::vector<int32_t>* steps, const float* query, float* lut) {
-  float_tables_of(plan, steps, query, lut);
+#ifdef TQVEC_X86
+// float_table with the 16 entries of a 4-bit step in two registers (its channels' levels accumulated there, one
+// store: a store per channel would be re-read by the next one's add).
+__attribute__((target("avx2,fma"))) inline void float_table_avx2(const Plan& plan, int t, const float* query, float* lut) {
+  if (plan.offset[t + 1] - plan.offset[t] != 16) return float_table(plan, t, query, lut);
+  const int32_t* channel = plan.channel + t * kMaxStepChannels;
+  const float* level = plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[t];
+  __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps();
+  for (int j = 0; j < kMaxStepChannels && channel[j] >= 0; ++j) {
+    const __m256 qj = _mm256_set1_ps(query[channel[j]]);
+    low = _mm256_fmadd_ps(qj, _mm256_loadu_ps(level + 16 * j), low);
+    high = _mm256_fmadd_ps(qj, _mm256_loadu_ps(level + 16 * j + 8), high);
+  }
+  _mm256_storeu_ps(lut + plan.offset[t], low);
+  _mm256_storeu_ps(lut + plan.offset[t] + 8, high);
 }
 
-#ifdef TQVEC_X86
 __attribute__((target("avx2,fma"))) void float_tables_avx2(const Plan& plan, const std::vector<int32_t>* steps, const float* query,
                                                            float* lut) {
-  float_tables_of(plan, steps, query, lut);
+  if (!steps) {
+    for (int t = 0; t < plan.n_steps; ++t) float_table_avx2(plan, t, query, lut);
+    return;
+  }
+  for (int32_t t : *steps) float_table_avx2(plan, t, query, lut);
 }
 #endif
 
@@ -594,36 +608,42 @@ struct GroupTables {
 
 // exact_dot with the runs of `steps` (exact_steps(plan, true)) decoded to levels and multiplied by `query` (the
 // rotated query of the float tables `lut`); the other steps are read from `lut`.
+// Adds the levels of a run of 3-bit codes times the query to acc, 8 channels (3 bytes) at a time.
+__attribute__((target("avx2,fma"), always_inline)) inline void add_three_bit_run(const ExactSteps::Run& run, const uint8_t* bytes,
+                                                                              const float* levels, const float* q, __m256& acc) {
+  const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21), three_bits = _mm256_set1_epi32(7);
+  const __m256 table = _mm256_loadu_ps(levels + run.level);
+  for (int g = 0; g < run.groups; ++g) {  // the group's 3 bytes only: a 4-byte load could pass the row's end
+    const uint8_t* p = bytes + 3 * g;
+    const int bits = static_cast<int>(p[0] | (p[1] << 8) | (p[2] << 16));
+    const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(bits), shifts), three_bits);
+    acc = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(table, codes), _mm256_loadu_ps(q + 8 * g), acc);
+  }
+}
+
 __attribute__((target("avx2,fma"))) inline float exact_dot_avx2(const ExactSteps& steps, const float* lut, const float* levels,
                                                              const float* query, const uint8_t* row) {
   const __m128i nibble = _mm_set1_epi8(0x0F);
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21), three_bits = _mm256_set1_epi32(7);
   for (const ExactSteps::Run& run : steps.runs) {
     const uint8_t* bytes = row + run.byte;
     const float* q = query + run.channel;
-    if (run.width == 4) {
-      const __m256 low_levels = _mm256_loadu_ps(levels + run.level), high_levels = _mm256_loadu_ps(levels + run.level + 8);
-      for (int g = 0; g < run.groups; ++g) {
-        const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * g));
-        const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(packed, nibble), _mm_and_si128(_mm_srli_epi16(packed, 4), nibble));
-        const __m256i first = _mm256_cvtepu8_epi32(codes), second = _mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8));
-        // entries 8-15 where bit 3 is set: the blend reads that bit as the sign of the shifted index
-        const __m256 v0 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low_levels, first), _mm256_permutevar8x32_ps(high_levels, first),
-                                           _mm256_castsi256_ps(_mm256_slli_epi32(first, 28)));
-        const __m256 v1 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low_levels, second), _mm256_permutevar8x32_ps(high_levels, second),
-                                           _mm256_castsi256_ps(_mm256_slli_epi32(second, 28)));
-        acc0 = _mm256_fmadd_ps(v0, _mm256_loadu_ps(q + 16 * g), acc0);
-        acc1 = _mm256_fmadd_ps(v1, _mm256_loadu_ps(q + 16 * g + 8), acc1);
-      }
-    } else {
-      const __m256 table = _mm256_loadu_ps(levels + run.level);
-      for (int g = 0; g < run.groups; ++g) {  // the group's 3 bytes only: a 4-byte load could pass the row's end
-        const uint8_t* p = bytes + 3 * g;
-        const int bits = static_cast<int>(p[0] | (p[1] << 8) | (p[2] << 16));
-        const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(bits), shifts), three_bits);
-        acc1 = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(table, codes), _mm256_loadu_ps(q + 8 * g), acc1);
-      }
+    if (run.width != 4) {
+      add_three_bit_run(run, bytes, levels, q, acc1);
+      continue;
+    }
+    const __m256 low_levels = _mm256_loadu_ps(levels + run.level), high_levels = _mm256_loadu_ps(levels + run.level + 8);
+    for (int g = 0; g < run.groups; ++g) {
+      const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * g));
+      const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(packed, nibble), _mm_and_si128(_mm_srli_epi16(packed, 4), nibble));
+      const __m256i first = _mm256_cvtepu8_epi32(codes), second = _mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8));
+      // entries 8-15 where bit 3 is set: the blend reads that bit as the sign of the shifted index
+      const __m256 v0 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low_levels, first), _mm256_permutevar8x32_ps(high_levels, first),
+                                         _mm256_castsi256_ps(_mm256_slli_epi32(first, 28)));
+      const __m256 v1 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low_levels, second), _mm256_permutevar8x32_ps(high_levels, second),
+                                         _mm256_castsi256_ps(_mm256_slli_epi32(second, 28)));
+      acc0 = _mm256_fmadd_ps(v0, _mm256_loadu_ps(q + 16 * g), acc0);
+      acc1 = _mm256_fmadd_ps(v1, _mm256_loadu_ps(q + 16 * g + 8), acc1);
     }
   }
   alignas(32) float part[8];
@@ -632,11 +652,51 @@ __attribute__((target("avx2,fma"))) inline float exact_dot_avx2(const ExactSteps
   return runs + exact_dot(steps, lut, row);
 }
 
+// exact_dot_avx2 with AVX-512's 16-entry permute: a 4-bit run's level table is one register, 32 channels (16 bytes)
+// a step. (The all-lanes masked forms: GCC 12 warns that the plain ones read an undefined register.)
+constexpr __mmask16 kAll16 = 0xFFFF;
+__attribute__((target("avx512f,avx512bw,avx2,fma"))) float exact_dot_avx512(const ExactSteps& steps, const float* lut,
+                                                                          const float* levels, const float* query,
+                                                                          const uint8_t* row) {
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  __m256 acc3 = _mm256_setzero_ps();
+  for (const ExactSteps::Run& run : steps.runs) {
+    const uint8_t* bytes = row + run.byte;
+    const float* q = query + run.channel;
+    if (run.width != 4) {
+      add_three_bit_run(run, bytes, levels, q, acc3);
+      continue;
+    }
+    const __m512 table = _mm512_loadu_ps(levels + run.level);
+    int g = 0;
+    for (; g + 2 <= run.groups; g += 2) {  // byte i: channels 2i (low nibble) and 2i + 1
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 8 * g));
+      const __m128i low = _mm_and_si128(packed, nibble), high = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
+      const __m512i first = _mm512_maskz_cvtepu8_epi32(kAll16, _mm_unpacklo_epi8(low, high));
+      const __m512i second = _mm512_maskz_cvtepu8_epi32(kAll16, _mm_unpackhi_epi8(low, high));
+      acc0 = _mm512_fmadd_ps(_mm512_maskz_permutexvar_ps(kAll16, first, table), _mm512_loadu_ps(q + 16 * g), acc0);
+      acc1 = _mm512_fmadd_ps(_mm512_maskz_permutexvar_ps(kAll16, second, table), _mm512_loadu_ps(q + 16 * g + 16), acc1);
+    }
+    if (g < run.groups) {
+      const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * g));
+      const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(packed, nibble), _mm_and_si128(_mm_srli_epi16(packed, 4), nibble));
+      acc0 = _mm512_fmadd_ps(_mm512_maskz_permutexvar_ps(kAll16, _mm512_maskz_cvtepu8_epi32(kAll16, codes), table), _mm512_loadu_ps(q + 16 * g), acc0);
+    }
+  }
+  alignas(64) float part[16];
+  _mm512_store_ps(part, _mm512_add_ps(acc0, acc1));
+  const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_load_ps(part), _mm256_load_ps(part + 8)), acc3);
+  _mm256_store_ps(part, sum);
+  const float runs = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+  return runs + exact_dot(steps, lut, row);
+}
+
 // Scores the rows of `lanes` (n of them) of sign block `b` exactly for query `j` of the item (two-stage scan),
 // their codes fetched from the slot-ordered copy (prefetched together first), and offers them to `best`.
 __attribute__((target("avx2,fma"))) inline void refine(const SearchArgs& a, const SimdSource& src, int64_t b,
                                                      const int* lanes, int n, int64_t j, const float* query, float constant,
-                                                     BestRows& best) {
+                                                     BestRows& best, bool avx512) {
   const SignBlocks& signs = *a.signs;
   const int64_t row_bytes = a.rows.row_bytes;
   const uint8_t* codes = signs.codes + b * kRowsPerBlock * row_bytes;
@@ -645,7 +705,9 @@ __attribute__((target("avx2,fma"))) inline void refine(const SearchArgs& a, cons
   const float* lut = src.exact_luts + j * src.exact_entries;
   for (int i = 0; i < n; ++i) {
     const int64_t slot = b * kRowsPerBlock + lanes[i];
-    const float dot = exact_dot_avx2(*src.exact, lut, a.plan.level, query, codes + lanes[i] * row_bytes);
+    const uint8_t* row = codes + lanes[i] * row_bytes;
+    const float dot = avx512 ? exact_dot_avx512(*src.exact, lut, a.plan.level, query, row)
+                             : exact_dot_avx2(*src.exact, lut, a.plan.level, query, row);
     best.push(signs.scale[slot] * dot + signs.blocks.bias[slot] + constant, signs.blocks.rows[slot], constant);
   }
 }
@@ -713,7 +775,7 @@ __attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Wo
             }
           }
         }
-        if (n_passing) refine(a, src, b, lanes, n_passing, j, a.queries + (w.query + j) * a.dim, s.constant, best[j]);
+        if (n_passing) refine(a, src, b, lanes, n_passing, j, a.queries + (w.query + j) * a.dim, s.constant, best[j], avx512);
       }
     }
   }
