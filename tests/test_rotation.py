@@ -6,6 +6,8 @@ import torch
 
 from tqvec.rotation import ROTATION_KINDS, make_rotation
 
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
 DIMS = [1, 50, 93, 128, 384, 784]
 
 
@@ -32,7 +34,8 @@ def test_rotation_depends_on_seed_alone(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", ROTATION_KINDS)
 def test_rotation_is_batch_invariant(kind: str) -> None:
-    """Row i of a batch is rotated to the same bits as row i alone (stored codes must not depend on the batch)."""
+    """Row i of a batch is rotated to the same bits as row i alone (stored codes must not depend on the batch), on one
+    thread as the module runs."""
     rotation = make_rotation(kind, 384, seed=8)
     x = torch.randn(45, 384, generator=torch.Generator().manual_seed(9))
     batch = rotation.forward(x)
