@@ -158,8 +158,9 @@ Matmat pick_matmat(bool vector_isa) {
   return matmat_scalar;
 }
 
-// In-place unnormalized Walsh-Hadamard transform of x (n a power of two).
-void walsh_hadamard_scalar(float* x, int64_t n) {
+// In-place unnormalized Walsh-Hadamard transform of x (n a power of two). Always inlined: the AVX2 version runs it
+// for n < 8 without a call into baseline code.
+__attribute__((always_inline)) inline void walsh_hadamard_scalar(float* x, int64_t n) {
   for (int64_t h = 1; h < n; h *= 2)
     for (int64_t i = 0; i < n; i += 2 * h)
       for (int64_t j = i; j < i + h; ++j) {
@@ -198,16 +199,7 @@ void rotate_scalar(const QueryTransform& t, float* v) {
 #ifdef TQVEC_X86
 // walsh_hadamard_scalar with the first three levels inside each 8-float register and the others 8 lanes wide.
 __attribute__((target("avx2,fma"))) void walsh_hadamard_avx2(float* x, int64_t n) {
-  if (n < 8) {
-    for (int64_t h = 1; h < n; h *= 2)
-      for (int64_t i = 0; i < n; i += 2 * h)
-        for (int64_t j = i; j < i + h; ++j) {
-          const float a = x[j], b = x[j + h];
-          x[j] = a + b;
-          x[j + h] = a - b;
-        }
-    return;
-  }
+  if (n < 8) return walsh_hadamard_scalar(x, n);
   const __m256 odd = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1), pairs = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
   const __m256 halves = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
   for (int64_t i = 0; i < n; i += 8) {  // (a, b) -> (a + b, a - b) at distances 1, 2, 4: partner + own * sign
