@@ -878,6 +878,57 @@ Plan SignStore::plan() const {
 
 size_t SignStore::nbytes() const { return blocks.nbytes() + sizeof(float) * (slack.size() + scale.size()) + codes.size(); }
 
+namespace {
+
+// Step t's code in `row`.
+inline int32_t step_code(const Plan& plan, int t, const uint8_t* row) {
+  unsigned bits = row[plan.byte[t]];
+  if (plan.shift[t] + plan.width[t] > 8) bits |= static_cast<unsigned>(row[plan.byte[t] + 1]) << 8;
+  return static_cast<int32_t>((bits >> plan.shift[t]) & ((1u << plan.width[t]) - 1u));
+}
+
+// The levels o (channels floats) that `plan` decodes `row` to.
+void decode_levels(const Plan& plan, const uint8_t* row, float* o) {
+  for (int t = 0; t < plan.n_steps; ++t) {
+    const int32_t code = step_code(plan, t, row), size = plan.offset[t + 1] - plan.offset[t];
+    const float* level = plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[t];
+    for (int j = 0; j < kMaxStepChannels && plan.channel[t * kMaxStepChannels + j] >= 0; ++j)
+      o[plan.channel[t * kMaxStepChannels + j]] = level[j * size + code];
+  }
+}
+
+// |o - coef * c| for the (channels,) vectors o and c.
+double residual_norm(const std::vector<float>& o, const std::vector<float>& c, double coef) {
+  double sum = 0.0;
+  for (size_t i = 0; i < o.size(); ++i) {
+    const double e = o[i] - coef * c[i];
+    sum += e * e;
+  }
+  return std::sqrt(sum);
+}
+
+// Completes a two-stage store whose first-stage plan is built: lays the rows' first-stage codes (`coarse`,
+// coarse_bytes per row) out in blocks with their gains, and per slot the slack, the scale and a copy of the row.
+void fill_two_stage(SignStore& out, const Rows& rows, const std::vector<uint8_t>& coarse, int64_t coarse_bytes,
+                    const std::vector<float>& gain, const std::vector<float>& slack, const int64_t* offsets,
+                    const int64_t* list_rows, int64_t n_groups) {
+  out.steps = plan_steps(out.plan());
+  out.blocks = arrange({coarse.data(), rows.n, coarse_bytes, gain.data(), rows.bias}, offsets, list_rows, n_groups);
+  const size_t slots = out.blocks.rows.size();
+  out.slack.assign(slots, 0.0f);
+  out.scale.assign(slots, 0.0f);
+  out.codes.assign(slots * static_cast<size_t>(rows.row_bytes), 0);
+  for (size_t lane = 0; lane < slots; ++lane) {
+    const int64_t r = out.blocks.rows[lane];
+    if (r < 0) continue;
+    out.slack[lane] = slack[static_cast<size_t>(r)];
+    out.scale[lane] = rows.scale ? rows.scale[r] : 1.0f;
+    std::memcpy(out.codes.data() + lane * rows.row_bytes, rows.packed + r * rows.row_bytes, static_cast<size_t>(rows.row_bytes));
+  }
+}
+
+}  // namespace
+
 SignStore arrange_signs(const Rows& rows, const Plan& plan, int64_t channels, const int64_t* offsets,
                         const int64_t* list_rows, int64_t n_groups) {
   SignStore out;
@@ -894,45 +945,72 @@ SignStore arrange_signs(const Rows& rows, const Plan& plan, int64_t channels, co
     }
   }
   out.offset.push_back(static_cast<int32_t>(kLut * n_steps));
-  out.steps = plan_steps(out.plan());
   std::vector<uint8_t> signs(static_cast<size_t>(rows.n * sign_bytes), 0);
-  std::vector<float> gain(static_cast<size_t>(rows.n)), slack(static_cast<size_t>(rows.n));
+  std::vector<float> gain(static_cast<size_t>(rows.n)), slack(static_cast<size_t>(rows.n)), o(static_cast<size_t>(channels));
   const double root_d = std::sqrt(static_cast<double>(channels)), root_d1 = std::sqrt(std::max<double>(1.0, channels - 1.0));
   for (int64_t r = 0; r < rows.n; ++r) {
-    const uint8_t* row = rows.packed + r * rows.row_bytes;
+    std::fill(o.begin(), o.end(), 0.0f);
+    decode_levels(plan, rows.packed + r * rows.row_bytes, o.data());
     uint8_t* sign = signs.data() + r * sign_bytes;
     double l1 = 0.0, l2 = 0.0;
-    for (int t = 0; t < plan.n_steps; ++t) {
-      unsigned bits = row[plan.byte[t]];
-      if (plan.shift[t] + plan.width[t] > 8) bits |= static_cast<unsigned>(row[plan.byte[t] + 1]) << 8;
-      const int32_t code = static_cast<int32_t>((bits >> plan.shift[t]) & ((1u << plan.width[t]) - 1u));
-      const int32_t size = plan.offset[t + 1] - plan.offset[t];
-      const float* level = plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[t];
-      for (int j = 0; j < kMaxStepChannels && plan.channel[t * kMaxStepChannels + j] >= 0; ++j) {
-        const int32_t c = plan.channel[t * kMaxStepChannels + j];
-        const float v = level[j * size + code];
-        if (v > 0.0f) sign[c / 8] |= static_cast<uint8_t>(1u << (c % 8));
-        l1 += std::fabs(v);
-        l2 += static_cast<double>(v) * v;
-      }
+    for (int64_t c = 0; c < channels; ++c) {
+      if (o[c] > 0.0f) sign[c / 8] |= static_cast<uint8_t>(1u << (c % 8));
+      l1 += std::fabs(o[c]);
+      l2 += static_cast<double>(o[c]) * o[c];
     }
     const double scale = rows.scale ? rows.scale[r] : 1.0;
     const double f = l1 > 0.0 ? l1 / (root_d * std::sqrt(l2)) : 1.0;  // cos(o, s)
     gain[r] = l1 > 0.0 ? static_cast<float>(scale * l2 / l1) : 0.0f;
     slack[r] = static_cast<float>(std::fabs(scale) * std::sqrt(l2) * std::sqrt(std::max(0.0, 1.0 - f * f)) / (f * root_d1));
   }
-  out.blocks = arrange({signs.data(), rows.n, sign_bytes, gain.data(), rows.bias}, offsets, list_rows, n_groups);
-  const size_t slots = out.blocks.rows.size();
-  out.slack.assign(slots, 0.0f);
-  out.scale.assign(slots, 0.0f);
-  out.codes.assign(slots * static_cast<size_t>(rows.row_bytes), 0);
-  for (size_t lane = 0; lane < slots; ++lane) {
-    const int64_t r = out.blocks.rows[lane];
-    if (r < 0) continue;
-    out.slack[lane] = slack[static_cast<size_t>(r)];
-    out.scale[lane] = rows.scale ? rows.scale[r] : 1.0f;
-    std::memcpy(out.codes.data() + lane * rows.row_bytes, rows.packed + r * rows.row_bytes, static_cast<size_t>(rows.row_bytes));
+  fill_two_stage(out, rows, signs, sign_bytes, gain, slack, offsets, list_rows, n_groups);
+  return out;
+}
+
+SignStore arrange_high_nibbles(const Rows& rows, const Plan& plan, int64_t channels, const int64_t* offsets,
+                               const int64_t* list_rows, int64_t n_groups) {
+  SignStore out;
+  std::vector<int> step_of(static_cast<size_t>(channels), -1);
+  for (int t = 0; t < plan.n_steps; ++t) step_of[plan.channel[t * kMaxStepChannels]] = t;
+  // step c of the first stage: channel c's high nibble, in byte c / 2; its level is the mean of the levels it groups
+  std::vector<float> mean(static_cast<size_t>(channels) * kLut, 0.0f);
+  for (int64_t c = 0; c < channels; ++c) {
+    out.byte.push_back(static_cast<int32_t>(c / 2));
+    out.shift.push_back(static_cast<int32_t>(4 * (c % 2)));
+    out.width.push_back(4);
+    out.offset.push_back(static_cast<int32_t>(kLut * c));
+    const int t = step_of[static_cast<size_t>(c)];
+    const int width = plan.width[t], low = std::max(0, width - 4), size = 1 << width;
+    const float* level = plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[t];
+    for (int code = 0; code < size; ++code) mean[c * kLut + (code >> low)] += level[code] / static_cast<float>(1 << low);
+    for (int j = 0; j < kMaxStepChannels; ++j) {
+      out.channel.push_back(j == 0 ? static_cast<int32_t>(c) : -1);
+      for (int e = 0; e < kLut; ++e) out.level.push_back(j == 0 ? mean[c * kLut + e] : 0.0f);
+    }
   }
+  out.offset.push_back(static_cast<int32_t>(kLut * channels));
+  const int64_t nibble_bytes = (channels + 1) / 2;
+  std::vector<uint8_t> nibbles(static_cast<size_t>(rows.n * nibble_bytes), 0);
+  std::vector<float> gain(static_cast<size_t>(rows.n)), slack(static_cast<size_t>(rows.n));
+  std::vector<float> o(static_cast<size_t>(channels)), coarse(static_cast<size_t>(channels));
+  const double root_d1 = std::sqrt(std::max<double>(1.0, channels - 1.0));
+  for (int64_t r = 0; r < rows.n; ++r) {
+    const uint8_t* row = rows.packed + r * rows.row_bytes;
+    decode_levels(plan, row, o.data());
+    double oc = 0.0, cc = 0.0;
+    for (int64_t c = 0; c < channels; ++c) {
+      const int t = step_of[static_cast<size_t>(c)];
+      const int32_t high = step_code(plan, t, row) >> std::max(0, plan.width[t] - 4);
+      nibbles[r * nibble_bytes + c / 2] |= static_cast<uint8_t>(high << (4 * (c % 2)));
+      coarse[c] = mean[c * kLut + high];
+      oc += static_cast<double>(o[c]) * coarse[c];
+      cc += static_cast<double>(coarse[c]) * coarse[c];
+    }
+    const double scale = rows.scale ? rows.scale[r] : 1.0, coef = cc > 0.0 ? oc / cc : 0.0;  // o's projection on coarse
+    gain[r] = static_cast<float>(scale * coef);
+    slack[r] = static_cast<float>(std::fabs(scale) * residual_norm(o, coarse, coef) / root_d1);
+  }
+  fill_two_stage(out, rows, nibbles, nibble_bytes, gain, slack, offsets, list_rows, n_groups);
   return out;
 }
 
@@ -1036,7 +1114,7 @@ const char* search(const SearchArgs& a, Isa max_isa) {
     }
   };
   parallel_for(work.size(), threads, scan_items);
-  const char* kernel = two_stage ? (avx512 ? "avx512-signs" : "avx2-signs") : avx512 ? "avx512" : simd ? "avx2" : "scalar";
+  const char* kernel = two_stage ? (avx512 ? "avx512-two-stage" : "avx2-two-stage") : avx512 ? "avx512" : simd ? "avx2" : "scalar";
   if (parts == 1) return kernel;  // each query was answered by its only item
   // Merge the (exactly scored) candidates of each query's items.
   std::vector<size_t> first_item(static_cast<size_t>(a.nq) + 1, work.size());

@@ -11,9 +11,10 @@
 //   (byte j of the 32 rows side by side). Tables quantized to 8 bits with one scale per query; one byte shuffle
 //   looks up 32 rows (64 with AVX-512 BW); 16-bit sums, widened to 32 bits every 256 steps. The best `rescore`
 //   rows by that estimate are re-scored exactly with the float tables (row-major codes); the best `k` returned.
-// * two stages (`arrange_signs`, SignStore): the rows' sign bits in that block layout are scanned the same way;
-//   a row is scored exactly only when its estimate plus an error bound beats the query's k-th exact score.
-// * exact: float tables for every row (wider codes, no AVX2), reading an inverted file's rows in list order
+// * two stages (`arrange_signs` or, for wide codes, `arrange_high_nibbles`; SignStore): the rows' sign bits (or the
+//   high nibbles of their codes) in that block layout are scanned the same way; a row is scored exactly only when
+//   its estimate plus an error bound beats the query's k-th exact score.
+// * exact: float tables for every row (no AVX2, or wide codes without a two-stage layout), reading an inverted file's rows in list order
 //   (`arrange_lists`) where that copy exists.
 #pragma once
 
@@ -141,6 +142,13 @@ struct SignBlocks {
 // The sign layout of `rows` read by `plan` (channels [0, channels)), grouped as in `arrange`.
 SignStore arrange_signs(const Rows& rows, const Plan& plan, int64_t channels, const int64_t* offsets,
                         const int64_t* list_rows, int64_t n_groups);
+
+// The two-stage layout of wide codes (`plan`: one channel per step, 3 to 8 bits, channels 0 .. channels - 1): the
+// first stage reads each channel's high nibble (code >> (width - 4)) with the mean of the levels it groups, c;
+// a row's gain is scale_r * <o, c> / |c|^2 (o's projection on c) and its slack |scale_r| * |o - (<o, c> / |c|^2) c|
+// / sqrt(D - 1), the same bound as the sign layout's, for the error vector of this estimate.
+SignStore arrange_high_nibbles(const Rows& rows, const Plan& plan, int64_t channels, const int64_t* offsets,
+                               const int64_t* list_rows, int64_t n_groups);
 
 struct SearchArgs {
   Plan plan;

@@ -66,6 +66,14 @@ class PlanHandle {
     offset_.assign(offset.data(), offset.data() + steps + 1);
     level_.assign(level.data(), level.data() + level.size());
     steps_ = tqvec::plan_steps(view());
+    std::vector<int> covered(static_cast<size_t>(last_channel_ + 1), 0);
+    single_channel_ = last_channel_ >= 0;
+    for (size_t t = 0; t < steps; ++t) {
+      const int32_t c = channel_[t * tqvec::kMaxStepChannels], w = width_[t];
+      single_channel_ = single_channel_ && c >= 0 && channel_[t * tqvec::kMaxStepChannels + 1] == -1 && w >= 3;
+      if (c >= 0) ++covered[static_cast<size_t>(c)];
+    }
+    single_channel_ = single_channel_ && std::all_of(covered.begin(), covered.end(), [](int n) { return n == 1; });
   }
 
   tqvec::Plan view() const {
@@ -75,26 +83,30 @@ class PlanHandle {
   const tqvec::PlanSteps* steps() const { return steps_.get(); }
   int32_t last_byte() const { return last_byte_; }
   int32_t last_channel() const { return last_channel_; }
+  // True when every channel 0 .. last_channel is read by exactly one step, of its own, of 3 to 8 bits.
+  bool single_channel_steps() const { return single_channel_; }
 
  private:
   std::vector<int32_t> byte_, shift_, width_, channel_, offset_;
   std::vector<float> level_;
   std::shared_ptr<const tqvec::PlanSteps> steps_;
   int32_t last_byte_ = -1, last_channel_ = -1;
+  bool single_channel_ = false;
 };
 
 // The rows a search reads: row-major codes (n, row_bytes) read by `plan`, with their scale / bias (n,) or empty,
 // grouped by offsets (and list_rows, each in [0, n)), plus a layout for the SIMD kernels: "nibbles" (the
-// fast-scan layout of the codes), "signs" (the sign layout of the two-stage scan), or for the exact kernel "lists"
-// (the rows copied in list order) or "" (none).
+// fast-scan layout of the codes), "signs" or "high-nibbles" (the two-stage scan's layouts), or for the exact kernel
+// "lists" (the rows copied in list order) or "" (none).
 // Holds references to the arrays, which must not change while it lives.
 class RowsHandle {
  public:
   RowsHandle(Array<uint8_t, nb::ndim<2>> packed, Array<float> scale, Array<float> bias, Array<int64_t, nb::ndim<1>> offsets,
              Array<int64_t> list_rows, const PlanHandle& plan, const std::string& layout)
       : packed_(packed), scale_(scale), bias_(bias), offsets_(offsets), list_rows_(list_rows) {
-    require(layout.empty() || layout == "nibbles" || layout == "signs" || layout == "lists",
-            "layout must be '', 'nibbles', 'signs' or 'lists'");
+    require(layout.empty() || layout == "nibbles" || layout == "signs" || layout == "high-nibbles" || layout == "lists",
+            "layout must be '', 'nibbles', 'signs', 'high-nibbles' or 'lists'");
+    if (layout == "high-nibbles") require(plan.single_channel_steps(), "high-nibbles needs one channel per step of 3 to 8 bits");
     require(plan.last_byte() < static_cast<int64_t>(packed.shape(1)), "the plan reads past the end of a row");
     const int64_t n = static_cast<int64_t>(packed.shape(0));
     require(scale.size() == 0 || scale.size() == static_cast<size_t>(n), "scale must have one entry per row");
@@ -112,9 +124,10 @@ class RowsHandle {
     if (layout == "nibbles") {
       blocks_ = tqvec::arrange(rows_, off, groups_.list_rows, n_groups);
       layout_ = blocks_->view();
-    } else if (layout == "signs") {
+    } else if (layout == "signs" || layout == "high-nibbles") {
       channels_ = plan.last_channel() + 1;
-      signs_ = tqvec::arrange_signs(rows_, plan.view(), channels_, off, groups_.list_rows, n_groups);
+      signs_ = layout == "signs" ? tqvec::arrange_signs(rows_, plan.view(), channels_, off, groups_.list_rows, n_groups)
+                                 : tqvec::arrange_high_nibbles(rows_, plan.view(), channels_, off, groups_.list_rows, n_groups);
       sign_view_ = {signs_->blocks.view(), signs_->slack.data(), signs_->scale.data(), signs_->codes.data(), signs_->plan(),
                     signs_->steps.get()};
     } else if (layout == "lists" && groups_.list_rows) {

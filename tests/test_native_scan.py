@@ -34,12 +34,14 @@ def kernel():
     _fastscan.set_cpu_kernel(before)
 
 
-@pytest.fixture(params=["nibbles", "signs"])
+@pytest.fixture(params=["nibbles", "signs", "high-nibbles"])
 def layout(request, monkeypatch) -> str:
-    """Both SIMD scans on these small dimensions: one stage (8-bit tables of the codes, then the best candidates
-    re-scored), and two stages (signs, then exact scores of the rows whose bound reaches the k-th best), which
-    otherwise serves only codes of at least TWO_STAGE_MIN_CHANNELS channels."""
+    """Every SIMD scan on these small dimensions: one stage (8-bit tables of the codes, then the best candidates
+    re-scored; wide codes then take the exact kernel), two stages from the signs (then exact scores of the rows
+    whose bound reaches the k-th best; otherwise only for codes of at least TWO_STAGE_MIN_CHANNELS channels), and
+    two stages from the high nibbles of wide codes (narrow codes: one stage)."""
     monkeypatch.setattr(_fastscan, "TWO_STAGE_MIN_CHANNELS", 1 if request.param == "signs" else 1 << 30)
+    monkeypatch.setattr(_fastscan, "HIGH_NIBBLES", request.param == "high-nibbles")
     return request.param
 
 
@@ -89,7 +91,8 @@ def test_flat_index_matches_torch(kernel, layout: str, metric: str, bits: float,
 @pytest.mark.parametrize("encoding", ["residual", "direct"])
 @pytest.mark.parametrize("bits", [3.5, 8])
 def test_ivf_index_matches_torch(kernel, layout: str, metric: str, encoding: str, bits: float) -> None:
-    """8-bit codes take the exact kernel over the rows copied in list order in the one-stage setting."""
+    """8-bit codes take the exact kernel over the rows copied in list order in the one-stage setting, two stages
+    from their high nibbles in the high-nibble setting."""
     x, q = _data(3001, 40, seed=4), _data(17, 40, seed=5)
     index = IVFIndex(40, 24, bits, metric, encoding=encoding, seed=6)
     index.add(x)
@@ -119,7 +122,7 @@ def test_structured_rotations_and_zero_queries_match_torch(kernel, monkeypatch, 
         _assert_same_results(*_search_both(kernel, index, q, 10, **kw))
 
 
-@pytest.mark.parametrize("dim,bits", [(67, 2.7), (93, 4), (384, 4), (50, 1), (64, 2), (200, 8), (45, 3)])
+@pytest.mark.parametrize("dim,bits", [(67, 2.7), (93, 4), (384, 4), (50, 1), (64, 2), (200, 8), (45, 3), (77, 5.5), (50, 6.3)])
 def test_every_kernel_returns_the_same_rows(layout: str, dim: int, bits: float) -> None:
     """The scalar kernel (exact float tables for every row) and the fast scans (8-bit tables, then an exact
     re-score of the best candidates; AVX2, and AVX-512 where the CPU has it) return the same rows: 4-, 3-, 2- and
@@ -139,7 +142,8 @@ def test_every_kernel_returns_the_same_rows(layout: str, dim: int, bits: float) 
     for isa, name in enumerate(_fastscan.kernels()):
         values, rows, used = _fastscan._native.search(plan.handle, source, rotated.numpy(), probe, constant, 10, 64,
                                                       _fastscan.CONFIDENCE, 1, isa)
-        assert used == ("scalar" if not isa or chosen == "lists" else name + ("-signs" if chosen == "signs" else ""))
+        two_stage = chosen in ("signs", "high-nibbles")
+        assert used == ("scalar" if not isa or chosen == "lists" else name + ("-two-stage" if two_stage else ""))
         out[name] = (values, rows)
     for name in _fastscan.kernels()[1:]:
         _assert_same_results(out["scalar"], out[name])

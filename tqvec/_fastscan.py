@@ -49,8 +49,11 @@ TWO_STAGE_MIN_BITS = 3
 #: ... and at least this many channels are scanned in two stages, signs first (the sign estimate's error
 #: shrinks as 1/sqrt(channels): at 50 channels too many rows need their exact score, at 384 few do)
 TWO_STAGE_MIN_CHANNELS = 128
-#: the two-stage scan's bound, in standard deviations of its sign estimate
+#: the two-stage scan's bound, in standard deviations of its first-stage estimate
 CONFIDENCE = 3.0
+#: codes with a step wider than 4 bits, one channel per step, are scanned in two stages, their high nibbles
+#: first (the estimate of a 4-bit code, whose error bound is far tighter than the signs')
+HIGH_NIBBLES = True
 
 
 def set_cpu_kernel(kernel: str) -> None:
@@ -119,6 +122,13 @@ class Plan:
     def narrow(self) -> bool:
         """True when every step has at most 4 bits (what the fast scan reads)."""
         return bool(np.all(self.width <= 4))
+
+    @functools.cached_property
+    def single_channel(self) -> bool:
+        """True when each channel is read by one step of its own, of 3 to 8 bits (what the high-nibble layout reads)."""
+        first, rest = self.channel[:, 0], self.channel[:, 1:]
+        return bool(len(first) and np.all(first >= 0) and np.all(rest == -1) and np.all(self.width >= 3)
+                    and np.array_equal(np.sort(first), np.arange(len(first))))
 
     @functools.cached_property
     def channels(self) -> int:
@@ -198,10 +208,14 @@ def _array(t: torch.Tensor | None, dtype: type) -> np.ndarray:
 
 
 def layout(steps: Plan, lists: Lists | None = None) -> str:
-    """The layout :func:`rows` builds for codes read by ``steps`` on this CPU: ``"signs"`` (the two-stage scan, for
-    codes of at least :data:`TWO_STAGE_MIN_BITS` bits per channel and :data:`TWO_STAGE_MIN_CHANNELS` channels),
-    ``"nibbles"`` (the one-stage fast scan, every step of at most 4 bits); else, for the exact kernel, ``"lists"``
-    (the rows copied in list order, when there are ``lists``) or ``""`` (none)."""
+    """The layout :func:`rows` builds for codes read by ``steps`` on this CPU: ``"high-nibbles"`` (the two-stage
+    scan of wide codes, :data:`HIGH_NIBBLES`: some step wider than 4 bits, one channel per step), ``"signs"`` (the
+    two-stage scan, for codes of at least :data:`TWO_STAGE_MIN_BITS` bits per channel and
+    :data:`TWO_STAGE_MIN_CHANNELS` channels), ``"nibbles"`` (the one-stage fast scan, every step of at most 4 bits);
+    else, for the exact kernel, ``"lists"`` (the rows copied in list order, when there are ``lists``) or ``""``
+    (none)."""
+    if simd() and HIGH_NIBBLES and not steps.narrow and steps.single_channel:
+        return "high-nibbles"
     if simd() and steps.bits_per_channel >= TWO_STAGE_MIN_BITS and steps.channels >= TWO_STAGE_MIN_CHANNELS:
         return "signs"
     if simd() and steps.narrow:
