@@ -171,6 +171,7 @@ def lineup(n: int, dim: int, metric: str, threads: int, only: str | None = None)
         Definition("tqvec-ivf 4b direct", tq(4, "direct", nlist), [(p,) for p in nprobes]),
         Definition("tqvec-ivf 4b residual fht-kac", tq(4, "residual", nlist, 0, "fht-kac"), [(p,) for p in nprobes]),
         Definition("tqvec-ivf 4b direct fht-kac", tq(4, "direct", nlist, 0, "fht-kac"), [(p,) for p in nprobes]),
+        Definition("tqvec-ivf 6b residual", tq(6, "residual", nlist), [(p,) for p in nprobes]),
         Definition("tqvec-ivf 8b residual", tq(8, "residual", nlist), [(p,) for p in nprobes]),
         Definition("tqvec-ivf 4b + 8b rerank", tq(4, "residual", nlist, 8), [(p, 4) for p in nprobes]),
         Definition(f"faiss IVF,PQ{full}x4fs", lambda: FaissFactory(metric, f"IVF{nlist},PQ{full}x4fs", ip),
