@@ -6,10 +6,12 @@ boundary where it straddles one). With AVX2 + FMA the kernel scans a layout buil
 (:func:`layout`, ``docs/native.md``): for codes of at least :data:`TWO_STAGE_MIN_BITS` bits over at least
 :data:`TWO_STAGE_MIN_CHANNELS` channels, the rows' sign bits in blocks of 32 (one byte shuffle looks up 32 rows,
 64 with AVX-512 BW), then exact scores for the rows whose estimate plus :data:`CONFIDENCE` standard errors can
-reach the k-th best; for other codes of at most 4 bits per step, the codes themselves in such blocks with 8-bit
-tables, the best ``rescore`` rows by that estimate re-scored exactly (:func:`rescore_count`), so the top-k equals
-the exact one unless the table rounding moved a row across the ``rescore``-th place. Wider codes, or a CPU
-without AVX2, take the exact kernel: float tables for every row (an inverted file's rows copied in list order).
+reach the k-th best; for wider codes (5 to 8 bits, one channel per step) the same two stages with each
+channel's high nibble first (:data:`HIGH_NIBBLES`); for other codes of at most 4 bits per step, the codes
+themselves in such blocks with 8-bit tables, the best ``rescore`` rows by that estimate re-scored exactly
+(:func:`rescore_count`), so the top-k equals the exact one unless the table rounding moved a row across the
+``rescore``-th place. Other codes, or a CPU without AVX2, take the exact kernel: float tables for every row (an
+inverted file's rows copied in list order).
 QJL signs (``mode="prod"``) are not served: the torch path runs.
 
 :func:`decode_attention` runs one decode step of attention over coded KV-cache tokens (``csrc/attention.cpp``) for
