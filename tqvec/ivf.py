@@ -375,9 +375,9 @@ class IVFIndex(CodedRows):
         return snap.cache["block"]
 
     def _search_native(self, snap: ListSnapshot, x: np.ndarray, k: int, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`search` of validated CPU queries ``x`` ``(nq, dim)`` over the rows of ``snap`` (non-empty, of a trained
-        index), in one native call (:func:`tqvec.scan.search_queries`: normalizing, probing and rotating happen in the
-        kernel)."""
+        """:meth:`search` of CPU queries ``x`` ``(nq, dim)`` (shape and dtype validated) over the rows of ``snap``
+        (non-empty, of a trained index), in one native call (:func:`tqvec.scan.search_queries`: checking the values,
+        normalizing, probing and rotating happen in the kernel)."""
         centroids, center, cached = self.centroids, self._center, self._query_prep
         if cached is None or cached[0] is not centroids or cached[1] is not center:
             base = center if self.encoding == "direct" else None
