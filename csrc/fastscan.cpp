@@ -87,13 +87,20 @@ inline void float_table(const Plan& plan, int t, const float* query, float* lut)
   }
 }
 
-// The float tables of the steps `steps` (every step when null).
-void float_tables(const Plan& plan, const std::vector<int32_t>* steps, const float* query, float* lut) {
+// The float tables of the steps `steps` (every step when null), each filled by `Table`. Always inlined, so each
+// caller compiles it for its own ISA.
+template <void (*Table)(const Plan&, int, const float*, float*)>
+__attribute__((always_inline)) inline void float_tables_with(const Plan& plan, const std::vector<int32_t>* steps,
+                                                           const float* query, float* lut) {
   if (!steps) {
-    for (int t = 0; t < plan.n_steps; ++t) float_table(plan, t, query, lut);
+    for (int t = 0; t < plan.n_steps; ++t) Table(plan, t, query, lut);
     return;
   }
-  for (int32_t t : *steps) float_table(plan, t, query, lut);
+  for (int32_t t : *steps) Table(plan, t, query, lut);
+}
+
+void float_tables(const Plan& plan, const std::vector<int32_t>* steps, const float* query, float* lut) {
+  float_tables_with<float_table>(plan, steps, query, lut);
 }
 
 #ifdef TQVEC_X86
@@ -115,11 +122,7 @@ __attribute__((target("avx2,fma"))) inline void float_table_avx2(const Plan& pla
 
 __attribute__((target("avx2,fma"))) void float_tables_avx2(const Plan& plan, const std::vector<int32_t>* steps, const float* query,
                                                            float* lut) {
-  if (!steps) {
-    for (int t = 0; t < plan.n_steps; ++t) float_table_avx2(plan, t, query, lut);
-    return;
-  }
-  for (int32_t t : *steps) float_table_avx2(plan, t, query, lut);
+  float_tables_with<float_table_avx2>(plan, steps, query, lut);
 }
 #endif
 

@@ -170,12 +170,14 @@ __attribute__((always_inline)) inline void walsh_hadamard_scalar(float* x, int64
       }
 }
 
-// Rotates a padded query in place (padded holds out_dim floats, the query's dim first, zeros after): the
-// Hadamard rotation's signs and transform, or the FHT-Kac rotation's rounds (see QueryTransform).
-void rotate_scalar(const QueryTransform& t, float* v) {
+// Rotates a padded query in place (v holds out_dim floats, the query's dim first, zeros after) with the
+// unnormalized Walsh-Hadamard transform `Fwht`: the Hadamard rotation's signs and transform, or the FHT-Kac
+// rotation's rounds (see QueryTransform). Always inlined, so each caller compiles it for its own ISA.
+template <void (*Fwht)(float*, int64_t)>
+__attribute__((always_inline)) inline void rotate_with(const QueryTransform& t, float* v) {
   if (t.rounds == 0) {
     for (int64_t d = 0; d < t.dim; ++d) v[d] *= t.signs[d];
-    walsh_hadamard_scalar(v, t.out_dim);
+    Fwht(v, t.out_dim);
     const float scale = 1.0f / std::sqrt(static_cast<float>(t.out_dim));
     for (int64_t d = 0; d < t.out_dim; ++d) v[d] *= scale;
     return;
@@ -186,7 +188,7 @@ void rotate_scalar(const QueryTransform& t, float* v) {
     const float* signs = t.signs + r * t.dim;
     for (int64_t d = 0; d < t.dim; ++d) v[d] *= signs[d];
     float* block = v + (r % 2 == 0 ? 0 : t.dim - t.block);
-    walsh_hadamard_scalar(block, t.block);
+    Fwht(block, t.block);
     for (int64_t d = 0; d < t.block; ++d) block[d] *= scale;
     for (int64_t d = 0; d < half; ++d) {
       const float a = v[d], b = v[d + half];
@@ -195,6 +197,8 @@ void rotate_scalar(const QueryTransform& t, float* v) {
     }
   }
 }
+
+void rotate_scalar(const QueryTransform& t, float* v) { rotate_with<walsh_hadamard_scalar>(t, v); }
 
 #ifdef TQVEC_X86
 // walsh_hadamard_scalar with the first three levels inside each 8-float register and the others 8 lanes wide.
@@ -218,43 +222,9 @@ __attribute__((target("avx2,fma"))) void walsh_hadamard_avx2(float* x, int64_t n
       }
 }
 
-// x[d] *= m[d] (m null: by `scale`) for d < n.
-__attribute__((target("avx2,fma"))) void multiply_avx2(float* x, const float* m, float scale, int64_t n) {
-  int64_t d = 0;
-  const __m256 s = _mm256_set1_ps(scale);
-  for (; d + 8 <= n; d += 8)
-    _mm256_storeu_ps(x + d, _mm256_mul_ps(_mm256_loadu_ps(x + d), m ? _mm256_loadu_ps(m + d) : s));
-  for (; d < n; ++d) x[d] *= m ? m[d] : scale;
-}
-
-// rotate_scalar, 8 lanes wide.
+// rotate_scalar compiled for AVX2, with walsh_hadamard_avx2.
 __attribute__((target("avx2,fma"))) void rotate_avx2(const QueryTransform& t, float* v) {
-  if (t.rounds == 0) {
-    multiply_avx2(v, t.signs, 0.0f, t.dim);
-    walsh_hadamard_avx2(v, t.out_dim);
-    multiply_avx2(v, nullptr, 1.0f / std::sqrt(static_cast<float>(t.out_dim)), t.out_dim);
-    return;
-  }
-  const float scale = 1.0f / std::sqrt(static_cast<float>(t.block)), half_root = std::sqrt(0.5f);
-  const __m256 root = _mm256_set1_ps(half_root);
-  const int64_t half = t.dim / 2;
-  for (int r = 0; r < t.rounds; ++r) {
-    multiply_avx2(v, t.signs + r * t.dim, 0.0f, t.dim);
-    float* block = v + (r % 2 == 0 ? 0 : t.dim - t.block);
-    walsh_hadamard_avx2(block, t.block);
-    multiply_avx2(block, nullptr, scale, t.block);
-    int64_t d = 0;
-    for (; d + 8 <= half; d += 8) {
-      const __m256 a = _mm256_loadu_ps(v + d), b = _mm256_loadu_ps(v + d + half);
-      _mm256_storeu_ps(v + d, _mm256_mul_ps(_mm256_add_ps(a, b), root));
-      _mm256_storeu_ps(v + d + half, _mm256_mul_ps(_mm256_sub_ps(a, b), root));
-    }
-    for (; d < half; ++d) {
-      const float a = v[d], b = v[d + half];
-      v[d] = (a + b) * half_root;
-      v[d + half] = (a - b) * half_root;
-    }
-  }
+  rotate_with<walsh_hadamard_avx2>(t, v);
 }
 #endif
 
