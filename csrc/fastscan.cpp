@@ -696,19 +696,23 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) float exact_dot_avx512(cons
 }
 
 // Scores the rows of `lanes` (n of them) of sign block `b` exactly for query `j` of the item (two-stage scan),
-// their codes fetched from the slot-ordered copy (prefetched together first), and offers them to `best`.
+// their codes fetched (prefetched together first) from the slot-ordered copy, or where there is none (one group in
+// row order) from the stored rows, and offers them to `best`.
 __attribute__((target("avx2,fma"))) inline void refine(const SearchArgs& a, const SimdSource& src, int64_t b,
                                                      const int* lanes, int n, int64_t j, const float* query, float constant,
                                                      BestRows& best, bool avx512) {
   const SignBlocks& signs = *a.signs;
   const int64_t row_bytes = a.rows.row_bytes;
-  const uint8_t* codes = signs.codes + b * kRowsPerBlock * row_bytes;
-  for (int i = 0; i < n; ++i)
-    for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(codes + lanes[i] * row_bytes + line);
+  const uint8_t* rows[kRowsPerBlock];  // the slot-ordered copy (lists), or the stored rows (one group: no copy)
+  for (int i = 0; i < n; ++i) {
+    const int64_t slot = b * kRowsPerBlock + lanes[i];
+    rows[i] = signs.codes ? signs.codes + slot * row_bytes : a.rows.packed + signs.blocks.rows[slot] * row_bytes;
+    for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(rows[i] + line);
+  }
   const float* lut = src.exact_luts + j * src.exact_entries;
   for (int i = 0; i < n; ++i) {
     const int64_t slot = b * kRowsPerBlock + lanes[i];
-    const uint8_t* row = codes + lanes[i] * row_bytes;
+    const uint8_t* row = rows[i];
     const float dot = avx512 ? exact_dot_avx512(*src.exact, lut, a.plan.level, query, row)
                              : exact_dot_avx2(*src.exact, lut, a.plan.level, query, row);
     best.push(signs.scale[slot] * dot + signs.blocks.bias[slot] + constant, signs.blocks.rows[slot], constant);
@@ -911,7 +915,8 @@ double residual_norm(const std::vector<float>& o, const std::vector<float>& c, d
 }
 
 // Completes a two-stage store whose first-stage plan is built: lays the rows' first-stage codes (`coarse`,
-// coarse_bytes per row) out in blocks with their gains, and per slot the slack, the scale and a copy of the row.
+// coarse_bytes per row) out in blocks with their gains, and per slot the slack, the scale and, for rows taken through
+// list_rows (an inverted file's lists), a copy of the row in slot order (so a list's rows sit side by side).
 void fill_two_stage(SignStore& out, const Rows& rows, const std::vector<uint8_t>& coarse, int64_t coarse_bytes,
                     const std::vector<float>& gain, const std::vector<float>& slack, const int64_t* offsets,
                     const int64_t* list_rows, int64_t n_groups) {
@@ -920,13 +925,14 @@ void fill_two_stage(SignStore& out, const Rows& rows, const std::vector<uint8_t>
   const size_t slots = out.blocks.rows.size();
   out.slack.assign(slots, 0.0f);
   out.scale.assign(slots, 0.0f);
-  out.codes.assign(slots * static_cast<size_t>(rows.row_bytes), 0);
+  if (list_rows) out.codes.assign(slots * static_cast<size_t>(rows.row_bytes), 0);
   for (size_t lane = 0; lane < slots; ++lane) {
     const int64_t r = out.blocks.rows[lane];
     if (r < 0) continue;
     out.slack[lane] = slack[static_cast<size_t>(r)];
     out.scale[lane] = rows.scale ? rows.scale[r] : 1.0f;
-    std::memcpy(out.codes.data() + lane * rows.row_bytes, rows.packed + r * rows.row_bytes, static_cast<size_t>(rows.row_bytes));
+    if (list_rows)
+      std::memcpy(out.codes.data() + lane * rows.row_bytes, rows.packed + r * rows.row_bytes, static_cast<size_t>(rows.row_bytes));
   }
 }
 

@@ -120,7 +120,7 @@ struct SignStore {
   BlockStore blocks;         // codes: ceil(D / 8) sign bytes per row; scale: gain; bias: bias
   std::vector<float> slack;  // per slot, in the blocks' lane order (0 for empty slots)
   std::vector<float> scale;  // scale_r per slot, in lane order (0 for empty slots)
-  std::vector<uint8_t> codes;  // (slots, row_bytes): the row-major codes of each slot, in lane order
+  std::vector<uint8_t> codes;  // (slots, row_bytes): each slot's row, in lane order (lists only; else empty)
   std::vector<int32_t> byte, shift, width, channel, offset;  // the plan that reads the sign bytes (levels +-1)
   std::vector<float> level;
   std::shared_ptr<const PlanSteps> steps;  // of plan()
@@ -134,7 +134,7 @@ struct SignBlocks {
   Blocks blocks;
   const float* slack;
   const float* scale;
-  const uint8_t* codes;
+  const uint8_t* codes;  // each slot's row (SignStore::codes), or null: the search's rows, by row number
   Plan plan;
   const PlanSteps* steps;  // of plan
 };

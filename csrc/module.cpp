@@ -128,7 +128,8 @@ class RowsHandle {
       channels_ = plan.last_channel() + 1;
       signs_ = layout == "signs" ? tqvec::arrange_signs(rows_, plan.view(), channels_, off, groups_.list_rows, n_groups)
                                  : tqvec::arrange_high_nibbles(rows_, plan.view(), channels_, off, groups_.list_rows, n_groups);
-      sign_view_ = {signs_->blocks.view(), signs_->slack.data(), signs_->scale.data(), signs_->codes.data(), signs_->plan(),
+      sign_view_ = {signs_->blocks.view(), signs_->slack.data(), signs_->scale.data(),
+                    signs_->codes.empty() ? nullptr : signs_->codes.data(), signs_->plan(),
                     signs_->steps.get()};
     } else if (layout == "lists" && groups_.list_rows) {
       ordered_ = tqvec::arrange_lists(rows_, groups_.list_rows, off[n_groups]);

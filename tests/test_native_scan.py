@@ -149,6 +149,24 @@ def test_every_kernel_returns_the_same_rows(layout: str, dim: int, bits: float) 
         _assert_same_results(out["scalar"], out[name])
 
 
+def test_two_stage_layout_copies_codes_only_for_lists(monkeypatch) -> None:
+    """One group of rows (a flat index): the two-stage layout holds sign bits and per-row factors and re-scores from
+    the stored codes (no second copy: fewer bytes than the codes); lists (an inverted file): it also copies each row
+    in list order."""
+    if not _fastscan.simd():
+        pytest.skip("this CPU has no AVX2 + FMA: no fast-scan layout is built")
+    monkeypatch.setattr(_fastscan, "TWO_STAGE_MIN_CHANNELS", 1)
+    quantizer = TurboQuantizer(128, 4, seed=7)
+    codes = quantizer.encode(_data(3000, 128, seed=12))
+    plan = quantizer.table("cpu").native_plan()
+    lists = _fastscan.Lists(np.array([0, 1000, 3000], np.int64), np.random.default_rng(3).permutation(3000))
+    for grouping in (None, lists):
+        assert _fastscan.layout(plan, grouping) == "signs"
+        source = _fastscan.rows(codes.packed, codes.scales, None, plan, grouping)
+        copied = source.layout_nbytes > codes.packed.numel()
+        assert copied == (grouping is not None), (grouping, source.layout_nbytes, codes.packed.numel())
+
+
 def test_threads_do_not_change_results(kernel) -> None:
     """One query on four threads splits its rows (flat) or its lists (IVF) across them; three queries batch."""
     x, q = _data(20000, 32, seed=10), _data(3, 32, seed=11)
