@@ -6,7 +6,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from kv_models import tiny_llama  # noqa: E402
 
 from tqvec.kv import TurboQuantCache, TurboQuantLayer, attention  # noqa: E402
 from tqvec.kv import store as store_mod  # noqa: E402
@@ -72,15 +72,6 @@ def test_prefill_moments_match_the_unsliced_ones() -> None:
     assert torch.equal(layer.key_perm, torch.argsort(rms, dim=1, descending=True)) and int(layer.key_perm[1, 0]) == 9
 
 
-def _tiny_llama() -> LlamaForCausalLM:
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
-    model.set_attn_implementation("tqvec")
-    return model
-
-
 def test_causal_attention_gets_no_materialized_mask(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without padding, the prefill and the one-token steps get no (b, 1, q, kv) mask (SDPA's causal path); a padded
     batch still gets one."""
@@ -90,7 +81,7 @@ def test_causal_attention_gets_no_materialized_mask(monkeypatch: pytest.MonkeyPa
                         lambda module, q, k, v, mask, **kw: masks.append(("sdpa", mask)) or real(module, q, k, v, mask, **kw))
     real_step = attention.decode_step
     monkeypatch.setattr(attention, "decode_step", lambda h, q, mask, s: masks.append(("codes", mask)) or real_step(h, q, mask, s))
-    model = _tiny_llama()
+    model = tiny_llama()
     ids = torch.randint(0, 64, (1, 60), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         model.generate(ids, max_new_tokens=4, do_sample=False, cache=TurboQuantCache(model.config, window=8, sinks=2))

@@ -1,6 +1,29 @@
 """The ``tqvec`` attention: softmax(q·Kᵀ·scale)·V with K and V read from TurboQuant codes.
 
-For one KV head with ``g`` query heads (GQA) and ``q`` query tokens, the ``g·q`` queries are scored
+Which path a call of :func:`tqvec_attention_forward` takes:
+
+* nothing compressed yet (a prefill): transformers' SDPA over the sinks and the full-precision tokens;
+* several query tokens over compressed tokens (the second and later chunks of a chunked prefill,
+  ``generate(..., prefill_chunk_size=N)``, or a multi-token step): :func:`dense_attention`, below;
+* one query token: :func:`decode_step` / :func:`tqvec.scan.attend` where they apply, else
+  :func:`compressed_attention` (the per-head reference).
+
+Dense path (:func:`dense_attention`): the layer's codes are decoded back into one preallocated
+``(b, h_kv, kv_length, d)`` buffer per side in the query's dtype (:meth:`CodeStore.decode
+<tqvec.kv.store.CodeStore.decode>`: ``scan.dequantize`` of the levels, the inverse rotation, the stored scale,
+the channel order and the centering mean undone, in float32 slices of a bounded number of rows), between the sinks
+and the full-precision tokens, and SDPA runs on it: no ``(b, h, q, kv)`` logits and no per-head loop, and a
+transient of one layer's dense K and V in the model dtype (on CUDA with a mask and GQA, the KV heads repeated as
+transformers does, since SDPA's fused CUDA kernels take GQA only without a mask). The decoded key ``k̂`` satisfies
+``q·k̂ = q·μ + score(q)`` for the score :func:`_head_scores` computes (``key_rescale`` lives in the stored
+scale; ``prod`` keys decode with their QJL term, which is linear in the codes, so they too are represented
+exactly), so the path equals the reference up to float rounding and the model dtype's rounding of ``k̂`` and
+``v̂``. Causality without a mask (query ``i`` sees keys ``[0, kv_length − q + i]``): ``causal_lower_right`` where
+CUDA's flash kernel runs it (no mask), otherwise one boolean ``(q, kv)`` mask shared by batch rows and heads (on
+the CPU SDPA's flash kernel takes it, and GQA, without forming the logits).
+
+Reference path (:func:`compressed_attention`): for one KV head with ``g`` query heads (GQA) and ``q`` query
+tokens, the ``g·q`` queries are scored
 
 * against the compressed tokens through :func:`tqvec.scan.scores` (the shared dispatch point: torch on
   CPU, the Triton scan on CUDA), one call per channel group, on the permuted, rotated queries. The codes
@@ -20,7 +43,8 @@ codes, the sinks and the window once, with no per-head Python loop.
 
 Masks: the registered mask function is transformers' ``sdpa_mask`` with its causal skip, so a causal
 prefill without padding gets no mask and runs SDPA's causal path (no ``(b, 1, q, kv)`` boolean mask);
-mask columns are absolute cache positions.
+mask columns are absolute cache positions. transformers materializes the mask of a chunk that follows cached
+tokens (its skip covers ``q == kv`` and one-token steps only); the dense path hands it to SDPA as it is.
 Layers whose cache is a plain tensor (sliding-window layers, or another cache class) fall back to
 transformers' SDPA attention.
 """
@@ -29,6 +53,8 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.backends.cuda import SDPAParams, can_use_flash_attention
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -36,11 +62,14 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .. import scan
 from .cache import CompressedKV
 from .codec import HeadCodec
-from .store import CodeStore
+from .store import ENCODE_ROWS, CodeStore
 
 NAME = "tqvec"
 #: value code rows (over all heads) dequantized at once on CUDA (the CPU uses ``scan.BLOCK_ROWS``)
 CUDA_VALUE_ROWS = 1 << 20
+#: code rows (over all heads) decoded per float32 slice by :func:`dense_kv` on CUDA (the CPU uses
+#: ``store.ENCODE_ROWS``): bounds the decode's float32 transient (docs/kv-cpu.md, chunked prefill)
+CUDA_DECODE_ROWS = 1 << 16
 #: rotation → {device: (forward (d, D), inverse (D, d)) float32}
 _ROTATION_MATRICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -98,7 +127,8 @@ def _rotation_matrices(codec: HeadCodec, device: torch.device) -> tuple[torch.Te
 
 def decode_step(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> scan.DecodeAttention | None:
     """The :class:`tqvec.scan.DecodeAttention` of a one-token step, or None where it does not apply (several query
-    tokens, QJL keys, outlier channel groups): those run :func:`compressed_attention`'s per-head path."""
+    tokens, which :func:`tqvec_attention_forward` sends to :func:`dense_attention`; one-token steps with QJL keys or
+    outlier channel groups, which run :func:`compressed_attention`'s per-head path)."""
     layer = handle.layer
     b, hq, q_len, d = query.shape
     codecs = (layer.key_codec, layer.value_codec)
@@ -119,6 +149,8 @@ def decode_step(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor | 
 def compressed_attention(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
     """Attention output ``(b, hq, q, d)`` float32 for ``query`` ``(b, hq, q, d)`` (the general per-head path).
 
+    The reference that :func:`dense_attention` and :func:`decode_step` are tested against, and the path of one-token
+    steps that :func:`decode_step` declines. It forms float32 logits ``(b, h_kv, g·q, kv_length)``.
     ``mask``: boolean ``(b, 1, q, kv_length)`` (True = attend) or None (attend to everything).
     """
     layer = handle.layer
@@ -152,6 +184,62 @@ def compressed_attention(handle: CompressedKV, query: torch.Tensor, mask: torch.
     return out.reshape(b, hq, q_len, d)
 
 
+def dense_kv(handle: CompressedKV, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's keys and values, each ``(b, h_kv, kv_length, d)`` of ``dtype``, in cache-position order: the sinks,
+    the ``n_codes`` compressed tokens decoded by :meth:`CodeStore.decode <tqvec.kv.store.CodeStore.decode>` (centering
+    and channel permutation undone), then the full-precision tokens.
+
+    Each side is one buffer written in place; the decode's float32 transients are bounded by one slice of
+    ``ENCODE_ROWS`` (CPU) or ``CUDA_DECODE_ROWS`` (CUDA) code rows. Requires ``handle.n_codes > 0`` (the centering
+    means exist from the first compression on).
+    """
+    sinks, n_codes = handle.n_sinks, handle.n_codes
+    rows = CUDA_DECODE_ROWS if handle.keys.is_cuda else ENCODE_ROWS
+
+    def side(sink: torch.Tensor, store: CodeStore, mean: torch.Tensor, perm: torch.Tensor | None,
+             recent: torch.Tensor) -> torch.Tensor:
+        b, h, _, d = recent.shape
+        dense = recent.new_empty((b, h, handle.kv_length, d), dtype=dtype)
+        dense[:, :, :sinks] = sink
+        store.decode(dense[:, :, sinks:sinks + n_codes], mean, perm, rows=rows)
+        dense[:, :, sinks + n_codes:] = recent
+        return dense
+
+    layer = handle.layer
+    return (side(handle.sink_keys, layer.key_store, layer.key_mean, layer.key_perm, handle.keys),
+            side(handle.sink_values, layer.value_store, layer.value_mean, layer.value_perm, handle.values))
+
+
+def dense_attention(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """Attention output ``(b, hq, q, d)`` in ``query``'s dtype for ``query`` ``(b, hq, q, d)``: SDPA over
+    :func:`dense_kv` (the path for several query tokens over compressed tokens).
+
+    ``mask``: boolean ``(b, 1, q, kv_length)`` (True = attend), or None: causal, aligned bottom right (query ``i``
+    sees keys ``[0, kv_length − q + i]``). Without a mask, where CUDA's flash kernel runs (half precision) it gets
+    ``causal_lower_right``, which it applies with no mask at all; elsewhere SDPA gets one boolean ``(q, kv)`` mask
+    shared by batch rows and heads (``causal_lower_right`` would materialize that same mask there, after allocating
+    a ``(2, q, kv)`` float32 tensor as its own storage: torch 2.13's ``CausalBias`` is a tensor subclass built with
+    those sizes). GQA (``hq`` a multiple of ``h_kv``): ``enable_gqa`` (the CPU flash kernel takes it with a mask),
+    except on CUDA with a mask, where SDPA's fused kernels do not take GQA and its math path would form the
+    ``(b, hq, q, kv)`` logits: there the KV heads are repeated, as transformers' SDPA attention does. Requires
+    ``handle.n_codes > 0``.
+    """
+    keys, values = dense_kv(handle, query.dtype)
+    q_len, kv_length = query.shape[2], handle.kv_length
+    group = query.shape[1] // keys.shape[1]
+    gqa = group > 1
+    if mask is None and query.is_cuda and can_use_flash_attention(SDPAParams(query, keys, values, None, 0.0, False, gqa)):
+        mask = causal_lower_right(q_len, kv_length)
+    else:
+        if mask is None:
+            mask = torch.ones(q_len, kv_length, dtype=torch.bool, device=query.device).tril(kv_length - q_len)
+        if gqa and query.is_cuda:
+            keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+            gqa = False
+    return torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,
+                                                            enable_gqa=gqa)
+
+
 def tqvec_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, value, attention_mask: torch.Tensor | None,
                             scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``query`` ``(b, hq, q, d)`` → ``((b, q, hq, d), None)``."""
@@ -168,13 +256,11 @@ def tqvec_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, v
         return sdpa_attention_forward(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask == 0
-    if attention_mask is None and query.shape[2] > 1:  # the causal skip (no padding): query i sees keys [0, past + i]
-        past = key.kv_length - query.shape[2]
-        attention_mask = torch.ones(query.shape[2], key.kv_length, dtype=torch.bool, device=query.device).tril(past)[None, None]
     if attention_mask is not None and attention_mask.shape[-1] != key.kv_length:
         raise ValueError(f"mask covers {attention_mask.shape[-1]} keys, the cache holds {key.kv_length}")
-    step = decode_step(key, query, attention_mask, scaling)
-    if step is not None:
+    if query.shape[2] > 1:  # a prefill chunk or multi-token step over compressed tokens (no mask: causal)
+        out = dense_attention(key, query, attention_mask, scaling)
+    elif (step := decode_step(key, query, attention_mask, scaling)) is not None:
         out = scan.attend(step).reshape(query.shape)
     else:
         out = compressed_attention(key, query, attention_mask, scaling).to(query.dtype)
@@ -184,8 +270,8 @@ def tqvec_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, v
 def tqvec_mask(*args, **kwargs) -> torch.Tensor | None:
     """transformers' SDPA boolean mask, with its causal skip: None where causality alone masks (no padding, and a
     prefill without past tokens or a one-token step), so no ``(b, 1, q, kv)`` mask is materialized there. A prefill
-    then runs SDPA's causal path; a one-token step needs no mask; a multi-token step over compressed tokens builds its
-    own ``(q, kv)`` causal mask (:func:`tqvec_attention_forward`)."""
+    then runs SDPA's causal path; a one-token step needs no mask; a multi-token step over compressed tokens given no
+    mask runs SDPA with a causal mask or bias aligned to the bottom right (:func:`dense_attention`)."""
     return sdpa_mask(*args, **kwargs)
 
 

@@ -15,6 +15,8 @@ a time). :meth:`nbytes` counts the allocated capacity: it is exactly what the st
 
 :meth:`append` centers, permutes and encodes ``ENCODE_TOKENS``-token slices (over all batch rows and heads) straight
 into the reserved capacity, so its transient float32 buffers are bounded by one slice, not by the prefill's length.
+:meth:`decode` inverts it, slice by slice, into a caller's buffer of any float dtype (the ``tqvec`` attention's dense
+path for several query tokens).
 """
 from __future__ import annotations
 
@@ -130,6 +132,52 @@ class CodeStore:
         f = self.fields[group]
         packed = f["packed"][:, :, start:stop]
         return packed.reshape(-1, packed.shape[-1]), f["scales"][:, :, start:stop].float()
+
+    def decode(self, out: torch.Tensor, mean: torch.Tensor | None = None, perm: torch.Tensor | None = None,
+               start: int = 0, rows: int = ENCODE_ROWS) -> None:
+        """Write tokens ``[start, start + t)`` into ``out`` ``(b, h, t, head_dim)`` (any float dtype, may be a view):
+        the inverse of :meth:`append`, ``decode(codes)`` with its channels put back through ``perm``, plus ``mean``.
+
+        ``mean`` ``(b, h, head_dim)`` float32 and ``perm`` ``(h, head_dim)`` int64 are the ones given to :meth:`append`
+        (None: none). Each group decodes with :meth:`TurboQuantizer.decode <tqvec.quantizer.TurboQuantizer.decode>`
+        (``prod`` codes with their QJL term), so ``⟨q, out[..., i, :]⟩ = ⟨q, mean⟩ +`` the score the scan computes
+        for token ``i`` from the codes. Slices of ``rows`` rows (over all batch rows and heads) are decoded in float32
+        and written into ``out`` at once, so the float32 transients are bounded by one slice.
+
+        Raises ``ValueError`` if ``out``'s batch rows, heads or ``head_dim`` differ from the store's, or if the tokens
+        run past ``length``.
+        """
+        b, h, t, d = out.shape
+        if not self.fields or self.fields[0]["packed"].shape[:2] != (b, h) or d != self.codec.head_dim:
+            held = tuple(self.fields[0]["packed"].shape[:2]) if self.fields else "no codes"
+            raise ValueError(f"out {tuple(out.shape)} does not match the store: (batch, heads) {held}, "
+                             f"head_dim {self.codec.head_dim}")
+        if not 0 <= start <= start + t <= self.length:
+            raise ValueError(f"tokens [{start}, {start + t}) run past the {self.length} stored")
+        step = max(1, rows // (b * h))
+        for lo in range(0, t, step):
+            hi = min(lo + step, t)
+            at = slice(start + lo, start + hi)
+            block = out.new_empty((b, h, hi - lo, d), dtype=torch.float32)
+            for gi, g in enumerate(self.codec.groups):
+                block[..., g.start:g.stop] = g.quantizer.decode(self._all_heads(gi, at)).view(b, h, hi - lo, -1)
+            if perm is not None:
+                block = torch.empty_like(block).scatter_(3, perm[None, :, None, :].expand(b, h, hi - lo, d), block)
+            if mean is not None:
+                block += mean[:, :, None]
+            out[:, :, lo:hi] = block
+
+    def _all_heads(self, group: int, tokens: slice) -> Codes:
+        """:class:`Codes` (float32 scales) of ``tokens`` of every batch row and head, rows in (batch, head, token)
+        order."""
+        f = {k: v[:, :, tokens] for k, v in self.fields[group].items()}
+        rnorms = f.get("rnorms")
+        return Codes(
+            packed=f["packed"].reshape(-1, f["packed"].shape[-1]),
+            scales=f["scales"].reshape(-1).float(),
+            qjl=None if "qjl" not in f else f["qjl"].reshape(-1, f["qjl"].shape[-1]),
+            residual_norms=None if rnorms is None else rnorms.reshape(-1).float(),
+        )
 
     def nbytes(self) -> int:
         """Bytes allocated by the store (capacity included)."""
