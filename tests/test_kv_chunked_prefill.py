@@ -108,6 +108,25 @@ def test_decoded_keys_score_like_the_codes_and_values_like_the_reference(key_mod
     torch.testing.assert_close(values[:, :, s:s + n] - layer.value_mean[:, :, None], centered, rtol=1e-4, atol=1e-5)
 
 
+def test_a_purely_causal_mask_is_recognized() -> None:
+    """generate() hands an unpadded chunk the causal pattern as a materialized mask; the dense path drops it (so CUDA's
+    flash kernel runs with GQA, no mask and no repeated heads). Padding, or one cell off, keeps the mask."""
+    q, kv = 24, 300
+    assert attention.is_causal_mask(_causal(2, q, kv), q, kv)
+    padded = _causal(2, q, kv)
+    padded[1, :, :, :3] = False
+    future = _causal(2, q, kv)
+    future[0, 0, 0, kv - q + 1] = True
+    hidden = _causal(2, q, kv)
+    hidden[0, 0, q - 1, kv - 1] = False
+    for mask in (padded, future, hidden):
+        assert not attention.is_causal_mask(mask, q, kv)
+    handle, g = _handle(4, 16, 4)
+    query = torch.randn(2, 2, q, D, generator=g)
+    torch.testing.assert_close(dense_attention(handle, query, _causal(2, q, kv), 0.125),
+                               dense_attention(handle, query, None, 0.125), rtol=0, atol=0)
+
+
 def test_store_decode_refuses_a_wrong_buffer() -> None:
     """``CodeStore.decode`` names the mismatch: another head count, or tokens past the stored ones."""
     handle, _ = _handle(4, 16, 4)

@@ -17,7 +17,7 @@ from tqvec.bench import kv_e2e  # noqa: E402
 
 @pytest.mark.slow  # 6–13 s on a busy 2-core machine: a few hundred tiny decode and generate steps
 def test_tiny_cpu_run_writes_reports_and_keeps_parts(tmp_path: Path) -> None:
-    common = ["--tiny", "--out", str(tmp_path), "--contexts", "512", "--new-tokens", "22"]
+    common = ["--tiny", "--device", "cpu", "--out", str(tmp_path), "--contexts", "512", "--new-tokens", "22"]
     kv_e2e.main([*common, "--prefill-chunk", "128"])
     data = json.loads((tmp_path / "kv_e2e.json").read_text())
     assert {"device", "torch", "transformers", "model", "parts"} <= data.keys()
@@ -107,3 +107,20 @@ def test_search_checks_and_markdown(monkeypatch: pytest.MonkeyPatch) -> None:
                       "vocab": 1000, "weights_bytes": 1}}
     md = kv_e2e.markdown(data)
     assert "## Largest batch" in md and "4.00×, target ≥ 3×: pass" in md and "2.40×, target ≥ 2×: pass" in md
+
+
+def test_a_lower_bound_below_the_target_decides_nothing() -> None:
+    """TurboQuantCache's size known only from below (a failure far above its largest completed size) leaves the size
+    and throughput checks undecided; a failure close enough above it that no size could reach the target fails."""
+    def search(done: int, failed: int) -> dict:
+        runs = [{"size": done, "ok": True, "decode_tokens_per_s": 10.0 * done}, {"size": failed, "ok": False}]
+        return {"largest_completed": done, "smallest_failed": failed, "predicted": failed, "attempts": runs,
+                "fit": []}
+
+    dynamic = search(6, 7)
+    open_ended = kv_e2e.search_checks({"searches": [dynamic, search(2, 32)]}, 1, throughput=True)
+    assert open_ended["turbo_how"] == "at least" and open_ended["pass"] is None and open_ended["throughput_pass"] is None
+    capped = kv_e2e.search_checks({"searches": [dynamic, search(2, 10)]}, 1, throughput=True)
+    assert capped["pass"] is False
+    measured = kv_e2e.search_checks({"searches": [dynamic, search(20, 21)]}, 1, throughput=True)
+    assert measured["pass"] is True and measured["throughput_pass"] is True

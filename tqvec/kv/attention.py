@@ -210,12 +210,23 @@ def dense_kv(handle: CompressedKV, dtype: torch.dtype) -> tuple[torch.Tensor, to
             side(handle.sink_values, layer.value_store, layer.value_mean, layer.value_perm, handle.values))
 
 
+def is_causal_mask(mask: torch.Tensor, q_len: int, kv_length: int) -> bool:
+    """True when the boolean ``mask`` ``(b, 1, q_len, kv_length)`` (True = attend) is the bottom-right causal pattern in
+    every batch row (no padding): query ``i`` sees exactly keys ``[0, kv_length − q_len + i]``."""
+    past = kv_length - q_len
+    if not bool(mask[..., :past].all()):
+        return False
+    causal = torch.ones(q_len, q_len, dtype=torch.bool, device=mask.device).tril()
+    return bool((mask[..., past:] == causal).all())
+
+
 def dense_attention(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
     """Attention output ``(b, hq, q, d)`` in ``query``'s dtype for ``query`` ``(b, hq, q, d)``: SDPA over
     :func:`dense_kv` (the path for several query tokens over compressed tokens).
 
     ``mask``: boolean ``(b, 1, q, kv_length)`` (True = attend), or None: causal, aligned bottom right (query ``i``
-    sees keys ``[0, kv_length − q + i]``). Without a mask, where CUDA's flash kernel runs (half precision) it gets
+    sees keys ``[0, kv_length − q + i]``). A mask that is exactly that pattern (:func:`is_causal_mask`: what
+    ``generate`` hands the chunks of an unpadded batch) is treated as None. Without a mask, where CUDA's flash kernel runs (half precision) it gets
     ``causal_lower_right``, which it applies with no mask at all; elsewhere SDPA gets one boolean ``(q, kv)`` mask
     shared by batch rows and heads (``causal_lower_right`` would materialize that same mask there, after allocating
     a ``(2, q, kv)`` float32 tensor as its own storage: torch 2.13's ``CausalBias`` is a tensor subclass built with
@@ -224,8 +235,10 @@ def dense_attention(handle: CompressedKV, query: torch.Tensor, mask: torch.Tenso
     ``(b, hq, q, kv)`` logits: there the KV heads are repeated, as transformers' SDPA attention does. Requires
     ``handle.n_codes > 0``.
     """
-    keys, values = dense_kv(handle, query.dtype)
     q_len, kv_length = query.shape[2], handle.kv_length
+    if mask is not None and is_causal_mask(mask, q_len, kv_length):  # generate()'s mask of an unpadded batch
+        mask = None
+    keys, values = dense_kv(handle, query.dtype)
     group = query.shape[1] // keys.shape[1]
     gqa = group > 1
     if mask is None and query.is_cuda and can_use_flash_attention(SDPAParams(query, keys, values, None, 0.0, False, gqa)):
