@@ -118,24 +118,28 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return total;
 }
 
-void one_head(const DecodeArgs& a, const RowDecoder& keys, const RowDecoder& values, int64_t head) {
+void one_head(const DecodeArgs& a, const std::vector<RowDecoder>& keys, const std::vector<RowDecoder>& values,
+              int64_t head) {
   const int64_t G = a.group, n = a.n, kd = a.key_dim, vd = a.value_dim;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  std::vector<float> row(static_cast<size_t>(std::max(kd, vd)), 0.0f), logits(static_cast<size_t>(G * n));
+  std::vector<float> row(static_cast<size_t>(std::max(kd, vd)), 0.0f), logits(static_cast<size_t>(G * n), 0.0f);
   const float* q = a.queries + head * G * kd;
-  const uint8_t* key_rows = a.keys.packed + head * a.keys.head_stride;
-  const float* key_scale = a.keys.scale + head * a.keys.scale_stride;
   const uint8_t* valid = a.valid ? a.valid + (head / a.heads_per_batch) * n : nullptr;
-  for (int64_t r = 0; r < n; ++r) {
-    if (valid && !valid[r]) {
-      for (int64_t g = 0; g < G; ++g) logits[g * n + r] = kNegInf;
-      continue;
+  for (size_t s = 0; s < a.keys.size(); ++s) {
+    const CodedTokens& seg = a.keys[s];
+    const uint8_t* key_rows = seg.packed + head * seg.head_stride;
+    const float* key_scale = seg.scale + head * seg.scale_stride;
+    for (int64_t r = 0; r < n; ++r) {
+      if (valid && !valid[r]) continue;
+      keys[s].decode(key_rows + r * seg.row_bytes, row.data());
+      for (int64_t g = 0; g < G; ++g) logits[g * n + r] += key_scale[r] * dot(q + g * kd + seg.first, row.data(), seg.dim);
     }
-    keys.decode(key_rows + r * a.keys.row_bytes, row.data());
-    for (int64_t g = 0; g < G; ++g) logits[g * n + r] = key_scale[r] * dot(q + g * kd, row.data(), kd);
   }
   for (int64_t g = 0; g < G; ++g) {
     float* lg = logits.data() + g * n;
+    if (valid)
+      for (int64_t r = 0; r < n; ++r)
+        if (!valid[r]) lg[r] = kNegInf;
     const float m = n ? *std::max_element(lg, lg + n) : kNegInf;
     float total = 0.0f;
     if (m != kNegInf) {
@@ -147,17 +151,20 @@ void one_head(const DecodeArgs& a, const RowDecoder& keys, const RowDecoder& val
     a.sum[head * G + g] = total;
     std::fill(a.acc + (head * G + g) * vd, a.acc + (head * G + g + 1) * vd, 0.0f);
   }
-  std::fill(row.begin(), row.end(), 0.0f);
-  const uint8_t* value_rows = a.values.packed + head * a.values.head_stride;
-  const float* value_scale = a.values.scale + head * a.values.scale_stride;
-  for (int64_t r = 0; r < n; ++r) {
-    if (valid && !valid[r]) continue;
-    values.decode(value_rows + r * a.values.row_bytes, row.data());
-    for (int64_t g = 0; g < G; ++g) {
-      const float w = logits[g * n + r] * value_scale[r];
-      float* __restrict__ acc = a.acc + (head * G + g) * vd;
-      const float* __restrict__ levels = row.data();
-      for (int64_t c = 0; c < vd; ++c) acc[c] += w * levels[c];
+  for (size_t s = 0; s < a.values.size(); ++s) {
+    const CodedTokens& seg = a.values[s];
+    std::fill(row.begin(), row.end(), 0.0f);
+    const uint8_t* value_rows = seg.packed + head * seg.head_stride;
+    const float* value_scale = seg.scale + head * seg.scale_stride;
+    for (int64_t r = 0; r < n; ++r) {
+      if (valid && !valid[r]) continue;
+      values[s].decode(value_rows + r * seg.row_bytes, row.data());
+      for (int64_t g = 0; g < G; ++g) {
+        const float w = logits[g * n + r] * value_scale[r];
+        float* __restrict__ acc = a.acc + (head * G + g) * vd + seg.first;
+        const float* __restrict__ levels = row.data();
+        for (int64_t c = 0; c < seg.dim; ++c) acc[c] += w * levels[c];
+      }
     }
   }
 }
@@ -165,7 +172,9 @@ void one_head(const DecodeArgs& a, const RowDecoder& keys, const RowDecoder& val
 }  // namespace
 
 void decode_attention(const DecodeArgs& a) {
-  const RowDecoder keys(a.keys.plan), values(a.values.plan);
+  std::vector<RowDecoder> keys, values;
+  for (const CodedTokens& seg : a.keys) keys.emplace_back(seg.plan);
+  for (const CodedTokens& seg : a.values) values.emplace_back(seg.plan);
   parallel_for(static_cast<size_t>(a.heads), a.threads, [&](size_t begin, size_t end) {
     for (size_t h = begin; h < end; ++h) one_head(a, keys, values, static_cast<int64_t>(h));
   });

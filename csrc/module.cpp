@@ -327,40 +327,60 @@ nb::tuple search_queries(const PlanHandle& plan, const RowsHandle& source, const
   return nb::make_tuple(out_distances, out_labels, kernel);
 }
 
-// One decode step of attention over coded tokens (see attention.h). keys / values: (heads, capacity, row_bytes)
-// codes of which tokens [0, n) are read; key_scale / value_scale: (heads, >= n); queries: (heads, group, key_dim)
-// rotated and scaled; valid: (heads / heads_per_batch, n) uint8 or empty. Returns (max, sum) (heads, group) and acc
-// (heads * group, value_dim), float32.
-nb::tuple decode_attention(const PlanHandle& key_plan, Array<uint8_t, nb::ndim<3>> keys, Array<float, nb::ndim<2>> key_scale,
-                           const PlanHandle& value_plan, Array<uint8_t, nb::ndim<3>> values,
-                           Array<float, nb::ndim<2>> value_scale, Array<float, nb::ndim<3>> queries, int64_t value_dim,
-                           int64_t n, Array<uint8_t> valid, int64_t heads_per_batch, int threads) {
+// The segments of coded tokens (see attention.h) from a list of (plan, codes (heads, >= n, row_bytes) uint8,
+// scales (heads, >= n) float32, dim) tuples, laid side by side from channel 0; `codes_kept` and `scales_kept` hold
+// the arrays (converted copies included) while the segments point into them.
+std::vector<tqvec::CodedTokens> coded_segments(const nb::list& segments, int64_t heads, int64_t n, int64_t channels,
+                                               std::vector<Array<uint8_t, nb::ndim<3>>>& codes_kept,
+                                               std::vector<Array<float, nb::ndim<2>>>& scales_kept) {
+  std::vector<tqvec::CodedTokens> out;
+  int64_t first = 0;
+  for (nb::handle item : segments) {
+    auto t = nb::cast<nb::tuple>(item);
+    require(t.size() == 4, "a segment is (plan, codes, scales, dim)");
+    const auto& plan = nb::cast<const PlanHandle&>(t[0]);
+    const auto codes = codes_kept.emplace_back(nb::cast<Array<uint8_t, nb::ndim<3>>>(t[1]));
+    const auto scale = scales_kept.emplace_back(nb::cast<Array<float, nb::ndim<2>>>(t[2]));
+    const auto dim = nb::cast<int64_t>(t[3]);
+    require(static_cast<int64_t>(codes.shape(0)) == heads && static_cast<int64_t>(codes.shape(1)) >= n,
+            "codes must be (heads, >= n, row_bytes)");
+    require(static_cast<int64_t>(scale.shape(0)) == heads && static_cast<int64_t>(scale.shape(1)) >= n,
+            "scales must be (heads, >= n)");
+    require(static_cast<int64_t>(codes.shape(2)) > plan.last_byte(), "rows are shorter than their plan reads");
+    require(dim > plan.last_channel() && first + dim <= channels, "fewer channels than the plans read");
+    out.push_back({plan.view(), codes.data(), static_cast<int64_t>(codes.shape(2)),
+                   static_cast<int64_t>(codes.shape(1) * codes.shape(2)), scale.data(), static_cast<int64_t>(scale.shape(1)),
+                   first, dim});
+    first += dim;
+  }
+  require(!out.empty(), "no coded segments");
+  return out;
+}
+
+// One decode step of attention over coded tokens (see attention.h). key_segments / value_segments: lists of
+// (plan, codes (heads, capacity, row_bytes), scales (heads, >= n), dim) whose dims lie side by side in the queries'
+// and values' rotated channels; tokens [0, n) are read; queries: (heads, group, key_dim) rotated and scaled; valid:
+// (heads / heads_per_batch, n) uint8 or empty. Returns (max, sum) (heads, group) and acc (heads * group, value_dim),
+// float32.
+nb::tuple decode_attention(const nb::list& key_segments, const nb::list& value_segments, Array<float, nb::ndim<3>> queries,
+                           int64_t value_dim, int64_t n, Array<uint8_t> valid, int64_t heads_per_batch, int threads) {
   const int64_t heads = static_cast<int64_t>(queries.shape(0)), group = static_cast<int64_t>(queries.shape(1));
   const int64_t key_dim = static_cast<int64_t>(queries.shape(2));
   require(n >= 0 && heads_per_batch >= 1 && heads % heads_per_batch == 0, "bad token count or heads per batch");
-  for (const auto* codes : {&keys, &values})
-    require(static_cast<int64_t>(codes->shape(0)) == heads && static_cast<int64_t>(codes->shape(1)) >= n,
-            "codes must be (heads, >= n, row_bytes)");
-  for (const auto* scale : {&key_scale, &value_scale})
-    require(static_cast<int64_t>(scale->shape(0)) == heads && static_cast<int64_t>(scale->shape(1)) >= n,
-            "scales must be (heads, >= n)");
-  require(static_cast<int64_t>(keys.shape(2)) > key_plan.last_byte() &&
-              static_cast<int64_t>(values.shape(2)) > value_plan.last_byte(), "rows are shorter than their plan reads");
-  require(key_dim > key_plan.last_channel() && value_dim > value_plan.last_channel(), "fewer channels than the plans read");
   require(valid.size() == 0 || static_cast<int64_t>(valid.size()) == heads / heads_per_batch * n,
           "valid must be (batches, n)");
+  std::vector<Array<uint8_t, nb::ndim<3>>> codes_kept;
+  std::vector<Array<float, nb::ndim<2>>> scales_kept;
+  auto keys = coded_segments(key_segments, heads, n, key_dim, codes_kept, scales_kept);
+  auto values = coded_segments(value_segments, heads, n, value_dim, codes_kept, scales_kept);
   auto* max = new float[static_cast<size_t>(heads * group)];
   auto* sum = new float[static_cast<size_t>(heads * group)];
   auto* acc = new float[static_cast<size_t>(heads * group * value_dim)];
   auto out_max = owned(max, heads, group);
   auto out_sum = owned(sum, heads, group);
   auto out_acc = owned(acc, heads * group, value_dim);
-  const tqvec::DecodeArgs args{
-      {key_plan.view(), keys.data(), static_cast<int64_t>(keys.shape(2)), static_cast<int64_t>(keys.shape(1) * keys.shape(2)),
-       key_scale.data(), static_cast<int64_t>(key_scale.shape(1))},
-      {value_plan.view(), values.data(), static_cast<int64_t>(values.shape(2)),
-       static_cast<int64_t>(values.shape(1) * values.shape(2)), value_scale.data(), static_cast<int64_t>(value_scale.shape(1))},
-      queries.data(), heads, group, key_dim, value_dim, n, optional_data(valid), heads_per_batch, threads, max, sum, acc};
+  const tqvec::DecodeArgs args{std::move(keys), std::move(values), queries.data(), heads, group, key_dim, value_dim, n,
+                               optional_data(valid), heads_per_batch, threads, max, sum, acc};
   {
     nb::gil_scoped_release release;
     tqvec::decode_attention(args);
@@ -395,9 +415,8 @@ NB_MODULE(_native, m) {
   m.def("search_queries", &search_queries, nb::arg("plan"), nb::arg("rows"), nb::arg("prep"), nb::arg("queries"),
         nb::arg("ids"), nb::arg("l2"), nb::arg("n_probe"), nb::arg("k"), nb::arg("rescore"), nb::arg("confidence"),
         nb::arg("threads"), nb::arg("max_isa"));
-  m.def("decode_attention", &decode_attention, nb::arg("key_plan"), nb::arg("keys"), nb::arg("key_scale"),
-        nb::arg("value_plan"), nb::arg("values"), nb::arg("value_scale"), nb::arg("queries"), nb::arg("value_dim"),
-        nb::arg("n"), nb::arg("valid"), nb::arg("heads_per_batch"), nb::arg("threads"));
+  m.def("decode_attention", &decode_attention, nb::arg("key_segments"), nb::arg("value_segments"), nb::arg("queries"),
+        nb::arg("value_dim"), nb::arg("n"), nb::arg("valid"), nb::arg("heads_per_batch"), nb::arg("threads"));
   m.def("has_avx2", &tqvec::has_avx2, "True when this CPU runs the AVX2 kernel.");
   m.def("has_avx512", &tqvec::has_avx512, "True when this CPU runs the AVX-512 kernel.");
 }

@@ -155,7 +155,8 @@ def test_bfloat16_model_dtype() -> None:
 @pytest.mark.parametrize("key_mode,bits", [("mse", 4), ("mse", 3.5), ("prod", 3)])
 def test_dispatch(monkeypatch: pytest.MonkeyPatch, key_mode: str, bits: float) -> None:
     """Several query tokens over codes run the dense path (QJL keys too), never the per-head one; one query token
-    keeps ``decode_step`` (whole-number ``mse``) or the per-head path (what ``decode_step`` declines)."""
+    keeps ``decode_step`` (``mse`` keys, channel groups included on the CPU) or the per-head path (QJL keys, which
+    ``decode_step`` declines)."""
     handle, g = _handle(bits, 16, 4, key_mode=key_mode)
     calls = []
     for name in ("dense_attention", "compressed_attention", "decode_step"):
@@ -166,7 +167,7 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch, key_mode: str, bits: float) -
     assert calls == ["dense_attention"]
     calls.clear()
     attention.tqvec_attention_forward(module, torch.randn(2, 4, 1, D, generator=g), handle, handle, None)
-    declined = key_mode == "prod" or bits != int(bits)
+    declined = key_mode == "prod"
     assert calls == ["decode_step"] + (["compressed_attention"] if declined else [])
 
 

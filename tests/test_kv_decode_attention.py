@@ -110,7 +110,11 @@ def test_direct_launches_on_cuda_match_and_follow_alignment():
 
 def test_decode_step_declines_what_it_cannot_run():
     handle, _, _, g = _layer(3.5, 32, 60, split="outlier")
-    assert decode_step(handle, _query(handle, 2, g), None, 0.1) is None  # two channel groups
+    step = decode_step(handle, _query(handle, 2, g), None, 0.1)  # two channel groups: served on the CPU only
+    assert step is not None and len(step.key_segments) == 1
+    if torch.cuda.is_available():  # the Triton kernels read one group per side
+        handle, _, _, g = _layer(3.5, 32, 60, split="outlier", device="cuda")
+        assert decode_step(handle, _query(handle, 2, g), None, 0.1) is None
     handle, _, _, g = _layer(4, 32, 60)
     assert decode_step(handle, torch.randn(1, 4, 2, 32), None, 0.1) is None  # two query tokens
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tqvec import _fastscan, scan
-from tqvec.kv.attention import decode_step
+from tqvec.kv.attention import compressed_attention, decode_step
 from tqvec.kv.cache import TurboQuantLayer
 from tqvec.kv.codec import HeadCodec
 
@@ -43,7 +43,7 @@ def _both(step: scan.DecodeAttention) -> tuple[torch.Tensor, torch.Tensor]:
     return reference, native
 
 
-@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])  # fractional rates split channels into groups: the per-head path
+@pytest.mark.parametrize("bits", [1, 2, 2.5, 3, 3.5, 4, 5, 8])  # fractional: two channel groups (segments)
 def test_native_decode_attention_equals_torch(bits: float) -> None:
     reference, native = _both(_step(bits, batch=2, context=300, window=16, seed=int(bits * 10)))
     assert native.shape == reference.shape == (2, KV_HEADS, QUERY_HEADS // KV_HEADS, HEAD_DIM)
@@ -66,9 +66,33 @@ def test_native_decode_attention_rejects_bad_shapes() -> None:
     step = _step(4, batch=1, context=50, window=4, seed=5)
     plan = step.keys.table.native_plan()
     q = torch.zeros(1, KV_HEADS, 3, HEAD_DIM)
+    keys = [(step.keys.packed, step.keys.scale, plan, HEAD_DIM)]
+    values = [(step.values.packed, step.values.scale, plan, HEAD_DIM)]
     with pytest.raises(ValueError, match="scales must be"):
-        _fastscan.decode_attention(q, step.keys.packed, step.keys.scale[:, :, :5], plan, step.values.packed,
-                                   step.values.scale, plan, HEAD_DIM, 10, None)
+        _fastscan.decode_attention(q, [(step.keys.packed, step.keys.scale[:, :, :5], plan, HEAD_DIM)], values, 10, None)
     with pytest.raises(ValueError, match="codes must be"):
-        _fastscan.decode_attention(q, step.keys.packed, step.keys.scale, plan, step.values.packed,
-                                   step.values.scale, plan, HEAD_DIM, step.keys.packed.shape[2] + 1, None)
+        _fastscan.decode_attention(q, keys, values, step.keys.packed.shape[2] + 1, None)
+    with pytest.raises(ValueError, match="fewer channels"):  # two segments of HEAD_DIM channels: wider than the queries
+        _fastscan.decode_attention(q, keys * 2, values, 10, None)
+
+
+@pytest.mark.parametrize("bits", [2.5, 3.5])
+def test_grouped_decode_step_equals_the_per_head_reference(bits: float) -> None:
+    """Fractional rates code the outlier channels (a per-head order) apart from the rest: the one-step attention over
+    both groups (natively and in torch) equals the per-head path's, which scores each group on its own."""
+    step = _step(bits, batch=2, context=300, window=16, seed=int(bits * 10))
+    assert len(step.key_segments) == len(step.value_segments) == 1 and step.key_rotation.dim() == 3
+    gen = torch.Generator().manual_seed(1)
+    keys = torch.randn(2, KV_HEADS, 300, HEAD_DIM, generator=gen) + 0.5
+    keys[..., 7] *= 6  # a loud channel, which the outlier group takes first
+    values = torch.randn(2, KV_HEADS, 300, HEAD_DIM, generator=gen)
+    query = torch.randn(2, QUERY_HEADS, 1, HEAD_DIM, generator=gen)
+    layer = TurboQuantLayer(HeadCodec(HEAD_DIM, bits, rescale=True), HeadCodec(HEAD_DIM, bits, seed=1000), 16)
+    layer.update(keys[:, :, :-1], values[:, :, :-1])
+    handle, _ = layer.update(keys[:, :, -1:], values[:, :, -1:])
+    assert not torch.equal(layer.key_perm[0], torch.arange(HEAD_DIM))
+    reference = compressed_attention(handle, query, None, HEAD_DIM ** -0.5)
+    torch_path, native = _both(decode_step(handle, query, None, HEAD_DIM ** -0.5))
+    for out in (torch_path, native):
+        got = out.reshape(reference.shape)
+        assert torch.allclose(got, reference, rtol=0, atol=1e-4 * reference.abs().max().item())

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -294,8 +295,11 @@ def search_queries(queries: np.ndarray, source: _native.Rows, steps: Plan, prep:
     return distances, labels
 
 
-def decode_attention(queries: torch.Tensor, keys: torch.Tensor, key_scale: torch.Tensor, key_steps: Plan,
-                     values: torch.Tensor, value_scale: torch.Tensor, value_steps: Plan, value_dim: int, n: int,
+#: one channel segment of coded tokens for :func:`decode_attention`: (codes, scale, plan, rotated channels)
+CodedSegment = tuple[torch.Tensor, torch.Tensor, Plan, int]
+
+
+def decode_attention(queries: torch.Tensor, keys: Sequence[CodedSegment], values: Sequence[CodedSegment], n: int,
                      valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The online-softmax state of one decode step over coded tokens, natively (exact float tables).
 
@@ -303,12 +307,11 @@ def decode_attention(queries: torch.Tensor, keys: torch.Tensor, key_scale: torch
     ----------
     queries : (b, h, G, D) float32
         Rotated like the keys and scaled by the softmax scaling.
-    keys, values : (b, h, capacity, row_bytes) uint8
-        Codes read by ``key_steps`` / ``value_steps``; tokens ``[0, n)`` are read.
-    key_scale, value_scale : (b, h, ≥ n)
-        Per-token multipliers.
-    value_dim : int
-        Channels of the values' rotated space.
+    keys, values : sequences of (codes, scale, plan, dim)
+        Channel segments side by side from channel 0 (a quantizer's codes are one segment; channel groups coded apart
+        one each): ``codes`` ``(b, h, capacity, row_bytes)`` uint8 read by ``plan``, of which tokens ``[0, n)`` are
+        read, ``scale`` ``(b, h, ≥ n)`` per-token multipliers, ``dim`` the segment's rotated channels. A token's
+        logit is the sum over its key segments of scale · ⟨query channels of the segment, levels⟩.
     valid : (b, n) bool, optional
         False masks a coded token out.
 
@@ -316,13 +319,21 @@ def decode_attention(queries: torch.Tensor, keys: torch.Tensor, key_scale: torch
     -------
     (max, sum, acc)
         ``(b, h, G)`` largest logit (−inf where none is valid), ``(b, h, G)`` Σ exp(logit − max) and ``(b, h, G,
-        value_dim)`` the exp-weighted sum of scale · levels of the values, float32.
+        value_dim)`` the exp-weighted sum of scale · levels of the value segments (``value_dim`` the sum of their
+        ``dim``), float32.
+
+    Raises
+    ------
+    ValueError
+        When the shapes do not fit (codes or scales shorter than ``n``, segments wider than the queries).
     """
     b, h, group, _ = queries.shape
     heads = lambda t: _array(t.reshape(b * h, *t.shape[2:]), np.uint8 if t.dtype == torch.uint8 else np.float32)  # noqa: E731
+    segments = lambda parts: [(plan.handle, heads(codes), heads(scale[:, :, :n].float()), int(dim))  # noqa: E731
+                              for codes, scale, plan, dim in parts]
+    value_dim = sum(int(dim) for *_, dim in values)
     m, total, acc = _native.decode_attention(
-        key_steps.handle, heads(keys), heads(key_scale[:, :, :n].float()), value_steps.handle, heads(values),
-        heads(value_scale[:, :, :n].float()), _array(queries.reshape(b * h, group, -1), np.float32), value_dim, n,
+        segments(keys), segments(values), _array(queries.reshape(b * h, group, -1), np.float32), value_dim, n,
         _array(None if valid is None else valid.to(torch.uint8), np.uint8), h, torch.get_num_threads())
     as_tensor = lambda x, *shape: torch.from_numpy(x).view(*shape)  # noqa: E731
     return as_tensor(m, b, h, group), as_tensor(total, b, h, group), as_tensor(acc, b, h, group, value_dim)

@@ -276,12 +276,17 @@ class DecodeAttention:
     Coded keys are ``k − key_mean = scale · ŷ · key_back``; the queries meet them as
     ``q · key_rotation`` (``(head_dim, D)``, the keys' forward rotation), values come back as
     ``scale · ŷ · value_back + value_mean``. ``valid`` ``(b, kv_length)`` bool masks positions out (padding).
+
+    Channel groups coded apart (each its own quantizer, rotation and scale; CPU only): ``keys`` / ``values`` hold the
+    first group, ``key_segments`` / ``value_segments`` the others, their rotated channels side by side (``D`` is the
+    sum); a coded key's logit sums its groups' ``scale · ⟨q_rot channels, ŷ⟩``. ``key_rotation`` ``(h, head_dim, D)``
+    and ``value_back`` ``(h, D, head_dim)`` may then differ per head (a per-head channel permutation folded in).
     """
 
     queries: torch.Tensor  # (b, h, G, head_dim): the G query heads of each KV head
     scaling: float
-    key_rotation: torch.Tensor  # (head_dim, D) float32
-    value_back: torch.Tensor  # (D, head_dim) float32
+    key_rotation: torch.Tensor  # (head_dim, D) or (h, head_dim, D) float32
+    value_back: torch.Tensor  # (D, head_dim) or (h, D, head_dim) float32
     keys: CodedHeads
     values: CodedHeads
     n_codes: int
@@ -292,6 +297,18 @@ class DecodeAttention:
     window_keys: torch.Tensor  # (b, h, w, head_dim)
     window_values: torch.Tensor
     valid: torch.Tensor | None = None  # (b, s + n_codes + w) bool
+    key_segments: tuple[CodedHeads, ...] = ()  # further channel groups (CPU only)
+    value_segments: tuple[CodedHeads, ...] = ()
+
+    @property
+    def key_parts(self) -> tuple[CodedHeads, ...]:
+        """Every key channel group, in the order of their rotated channels."""
+        return (self.keys, *self.key_segments)
+
+    @property
+    def value_parts(self) -> tuple[CodedHeads, ...]:
+        """Every value channel group, in the order of their rotated channels."""
+        return (self.values, *self.value_segments)
 
 
 def _softmax_merge(state: tuple[torch.Tensor, ...], logits: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -307,23 +324,27 @@ def _coded_state(a: DecodeAttention, q_rot: torch.Tensor, valid: torch.Tensor | 
     """The online-softmax state ``(max, sum, acc)`` of the rotated, scaled queries ``q_rot`` ``(b, h, G, D)`` over the
     coded tokens (``valid`` ``(b, n_codes)`` or None): the native kernel where it is built and not switched off
     (:func:`tqvec._fastscan.set_cpu_kernel`), else torch in blocks of ``BLOCK_ROWS`` code rows over all heads."""
+    segments = lambda parts: [(c.packed, c.scale, c.table.native_plan(), c.table.layout.dim) for c in parts]  # noqa: E731
     if _fastscan.available() and _fastscan.cpu_kernel() != "torch" and a.n_codes:
-        return _fastscan.decode_attention(q_rot, a.keys.packed, a.keys.scale, a.keys.table.native_plan(), a.values.packed,
-                                          a.values.scale, a.values.table.native_plan(), a.values.table.layout.dim,
-                                          a.n_codes, valid)
+        return _fastscan.decode_attention(q_rot, segments(a.key_parts), segments(a.value_parts), a.n_codes, valid)
     b, h, G, _ = q_rot.shape
-    state = (q_rot.new_full((b, h, G), float("-inf")), q_rot.new_zeros((b, h, G)),
-             q_rot.new_zeros((b, h, G, a.values.table.layout.dim)))
+    value_dim = sum(c.table.layout.dim for c in a.value_parts)
+    state = (q_rot.new_full((b, h, G), float("-inf")), q_rot.new_zeros((b, h, G)), q_rot.new_zeros((b, h, G, value_dim)))
     step = max(1, BLOCK_ROWS // (b * h))
     for start in range(0, a.n_codes, step):
         stop = min(start + step, a.n_codes)
-        rows = lambda c: c.packed[:, :, start:stop].reshape(-1, c.packed.shape[-1])  # noqa: E731
-        k = dequantize(rows(a.keys), a.keys.table).view(b, h, stop - start, -1)
-        v = dequantize(rows(a.values), a.values.table).view(b, h, stop - start, -1)
-        logits = (q_rot @ k.transpose(2, 3)) * a.keys.scale[:, :, None, start:stop].float()
+        decoded = lambda c: dequantize(c.packed[:, :, start:stop].reshape(-1, c.packed.shape[-1]), c.table).view(  # noqa: E731
+            b, h, stop - start, -1)
+        logits, first = 0.0, 0
+        for c in a.key_parts:
+            dim = c.table.layout.dim
+            scores = q_rot[..., first:first + dim] @ decoded(c).transpose(2, 3)
+            logits = logits + scores * c.scale[:, :, None, start:stop].float()
+            first += dim
         if valid is not None:
             logits = logits.masked_fill(~valid[:, None, None, start:stop], float("-inf"))
-        state = _softmax_merge(state, logits, v * a.values.scale[:, :, start:stop, None].float())
+        v = torch.cat([decoded(c) * c.scale[:, :, start:stop, None].float() for c in a.value_parts], dim=3)
+        state = _softmax_merge(state, logits, v)
     return state
 
 
@@ -362,6 +383,8 @@ def attend(a: DecodeAttention) -> torch.Tensor:
     if a.valid is not None and a.valid.shape != (a.queries.shape[0], a.sink_keys.shape[2] + a.n_codes + a.window_keys.shape[2]):
         raise ValueError(f"valid must be (b, kv_length), got {tuple(a.valid.shape)}")
     if _use_kernels(a.queries):
+        if a.key_segments or a.value_segments:
+            raise ValueError("channel groups coded apart (key_segments / value_segments) are served on the CPU only")
         from .kernels import attention  # noqa: PLC0415 - Triton is optional and CUDA-only
 
         return attention.decode_attention(a)

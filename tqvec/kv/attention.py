@@ -36,10 +36,12 @@ Values: the codes hold ``v − μ_v`` in the rotated domain, so ``Σ p_i v_i`` i
 time, never the whole cache) plus ``μ_v·Σ p_i`` plus the full-precision window's ``Σ p_j v_j``.
 The same torch code runs on CUDA (the scores then come from the Triton scan behind scan.scores).
 
-Decode steps (one query token, one quantizer per side, ``mse`` keys) go instead through
-:func:`tqvec.scan.attend` (:func:`decode_step` builds its input): an online softmax over code blocks on
-CPU, and on CUDA two fused split-sequence Triton kernels (:mod:`tqvec.kernels.attention`) that read the
-codes, the sinks and the window once, with no per-head Python loop.
+Decode steps (one query token, ``mse`` keys) go instead through :func:`tqvec.scan.attend` (:func:`decode_step`
+builds its input): an online softmax over the codes on CPU (the native kernel, or torch in code blocks), where the
+channel groups of a fractional rate are segments side by side in the rotated space (the per-head channel order and
+each group's rotation folded into one matrix per head); on CUDA (one quantizer per side) two fused split-sequence
+Triton kernels (:mod:`tqvec.kernels.attention`) that read the codes, the sinks and the window once. No per-head
+Python loop either way.
 
 Masks: the registered mask function is transformers' ``sdpa_mask`` with its causal skip, so a causal
 prefill without padding gets no mask and runs SDPA's causal path (no ``(b, 1, q, kv)`` boolean mask);
@@ -60,6 +62,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .. import scan
+from ..quantizer import TurboQuantizer
 from .cache import CompressedKV
 from .codec import HeadCodec
 from .store import ENCODE_ROWS, CodeStore
@@ -72,6 +75,9 @@ CUDA_VALUE_ROWS = 1 << 20
 CUDA_DECODE_ROWS = 1 << 16
 #: rotation → {device: (forward (d, D), inverse (D, d)) float32}
 _ROTATION_MATRICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: (id of a codec, id of a layer's channel order (h, d) or of None, device) → that codec's grouped matrices with the
+#: order folded in (:func:`_codec_rotations`); an entry is dropped when its codec or its order is freed
+_PERMUTED_ROTATIONS: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _head_scores(handle: CompressedKV, queries: torch.Tensor, batch: int, head: int) -> torch.Tensor:
@@ -114,34 +120,58 @@ def _values(store: CodeStore, perm: torch.Tensor | None, probs: torch.Tensor) ->
     return torch.empty_like(out).scatter_(3, perm[None, :, None, :].expand(b, h, m, -1), out)
 
 
-def _rotation_matrices(codec: HeadCodec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The single quantizer's forward ``(d, D)`` and inverse ``(D, d)`` rotations as float32 matrices (cached)."""
-    rotation = codec.groups[0].quantizer.rotation
+def _rotation_matrices(quantizer: TurboQuantizer, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantizer``'s forward ``(d, D)`` and inverse ``(D, d)`` rotations as float32 matrices (cached)."""
+    rotation = quantizer.rotation
     cache = _ROTATION_MATRICES.setdefault(rotation, {})
     if device not in cache:
-        dim, rotated = codec.head_dim, codec.groups[0].quantizer.rotated_dim
-        cache[device] = (rotation.forward(torch.eye(dim, device=device)).contiguous(),
-                         rotation.inverse(torch.eye(rotated, device=device)).contiguous())
+        cache[device] = (rotation.forward(torch.eye(quantizer.dim, device=device)).contiguous(),
+                         rotation.inverse(torch.eye(quantizer.rotated_dim, device=device)).contiguous())
     return cache[device]
+
+
+def _codec_rotations(codec: HeadCodec, perm: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward ``(d, D)`` and back ``(D, d)`` matrices of ``codec``'s groups, block-diagonal over the groups' rotated
+    channels side by side (``D`` their sum); with a per-head channel order ``perm`` ``(h, d)`` folded in, ``(h, d, D)``
+    and ``(h, D, d)``: ``q @ forward`` meets the permuted groups' codes, ``acc @ back`` returns to head channels."""
+    pairs = [_rotation_matrices(g.quantizer, device) for g in codec.groups]
+    if perm is None and len(pairs) == 1:
+        return pairs[0]
+    key = (id(codec), id(perm), device)
+    if key not in _PERMUTED_ROTATIONS:
+        forward = torch.block_diag(*(f for f, _ in pairs))
+        back = torch.block_diag(*(i for _, i in pairs))
+        if perm is not None:
+            inverse = torch.argsort(perm, dim=1).to(device)  # head channel c sits at permuted position inverse[c]
+            forward, back = forward[inverse], back[:, inverse].permute(1, 0, 2).contiguous()
+        _PERMUTED_ROTATIONS[key] = (forward, back)
+        for owner in (codec, perm):  # the entry goes with either: an id is not reused while its entry exists
+            if owner is not None:
+                weakref.finalize(owner, _PERMUTED_ROTATIONS.pop, key, None)
+    return _PERMUTED_ROTATIONS[key]
 
 
 def decode_step(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> scan.DecodeAttention | None:
     """The :class:`tqvec.scan.DecodeAttention` of a one-token step, or None where it does not apply (several query
-    tokens, which :func:`tqvec_attention_forward` sends to :func:`dense_attention`; one-token steps with QJL keys or
-    outlier channel groups, which run :func:`compressed_attention`'s per-head path)."""
+    tokens, which :func:`tqvec_attention_forward` sends to :func:`dense_attention`; one-token steps with QJL keys, or
+    with channel groups on CUDA, which run :func:`compressed_attention`'s per-head path)."""
     layer = handle.layer
     b, hq, q_len, d = query.shape
     codecs = (layer.key_codec, layer.value_codec)
-    if q_len != 1 or handle.n_codes == 0 or any(len(c.groups) != 1 or c.mode != "mse" for c in codecs):
+    grouped = any(len(c.groups) != 1 for c in codecs)
+    if q_len != 1 or handle.n_codes == 0 or any(c.mode != "mse" for c in codecs) or (grouped and query.is_cuda):
         return None
     h_kv = handle.keys.shape[1]
-    k_fwd, _ = _rotation_matrices(layer.key_codec, query.device)
-    _, v_back = _rotation_matrices(layer.value_codec, query.device)
-    k_fields, v_fields = layer.key_store.fields[0], layer.value_store.fields[0]
-    coded = lambda f, codec: scan.CodedHeads(f["packed"], f["scales"], codec.groups[0].quantizer.table(query.device))  # noqa: E731
+    k_fwd, _ = _codec_rotations(layer.key_codec, layer.key_perm, query.device)
+    _, v_back = _codec_rotations(layer.value_codec, layer.value_perm, query.device)
+    coded = lambda store, codec, gi: scan.CodedHeads(  # noqa: E731
+        store.fields[gi]["packed"], store.fields[gi]["scales"], codec.groups[gi].quantizer.table(query.device))
+    keys = [coded(layer.key_store, layer.key_codec, gi) for gi in range(len(layer.key_codec.groups))]
+    values = [coded(layer.value_store, layer.value_codec, gi) for gi in range(len(layer.value_codec.groups))]
     return scan.DecodeAttention(
         queries=query.reshape(b, h_kv, hq // h_kv, d), scaling=scaling, key_rotation=k_fwd, value_back=v_back,
-        keys=coded(k_fields, layer.key_codec), values=coded(v_fields, layer.value_codec), n_codes=handle.n_codes,
+        keys=keys[0], values=values[0], n_codes=handle.n_codes, key_segments=tuple(keys[1:]),
+        value_segments=tuple(values[1:]),
         key_mean=layer.key_mean, value_mean=layer.value_mean, sink_keys=handle.sink_keys, sink_values=handle.sink_values,
         window_keys=handle.keys, window_values=handle.values, valid=None if mask is None else mask[:, 0, 0, :].expand(b, -1))
 
