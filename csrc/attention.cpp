@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -45,9 +46,22 @@ class RowDecoder {
         for (int t : steps) add_step(plan, t);
       }
     }
+    // the common case (4-, 2- or 1-bit codes of one codebook): byte i holds channels [i * count, (i + 1) * count)
+    const bool uniform = steps_.empty() && tables_.size() == 1 && !bytes_.empty();
+    for (size_t i = 0; uniform && i < bytes_.size(); ++i) {
+      const ByteOp& op = bytes_[i];
+      if (op.byte != static_cast<int32_t>(i) || op.count != bytes_[0].count || op.first_channel != op.byte * op.count) break;
+      if (i + 1 == bytes_.size()) uniform_count_ = bytes_[0].count;
+    }
   }
 
   void decode(const uint8_t* row, float* out) const {
+    switch (uniform_count_) {
+      case 2: return decode_uniform<2>(row, out);
+      case 4: return decode_uniform<4>(row, out);
+      case 8: return decode_uniform<8>(row, out);
+      default: break;
+    }
     for (const ByteOp& op : bytes_) {
       const float* levels = tables_[op.table].data() + static_cast<size_t>(row[op.byte]) * op.count;
       for (int32_t j = 0; j < op.count; ++j) out[op.first_channel + j] = levels[j];
@@ -61,6 +75,14 @@ class RowDecoder {
   }
 
  private:
+  // decode() where every byte is one look-up of `count` levels in the one table, in byte order
+  template <int count>
+  void decode_uniform(const uint8_t* row, float* out) const {
+    const float* table = tables_[0].data();
+    const size_t n = bytes_.size();
+    for (size_t i = 0; i < n; ++i) std::memcpy(out + i * count, table + static_cast<size_t>(row[i]) * count, count * sizeof(float));
+  }
+
   struct ByteOp {
     int32_t byte, first_channel, count, table;
   };
@@ -105,6 +127,7 @@ class RowDecoder {
   std::vector<ByteOp> bytes_;
   std::vector<Step> steps_;
   std::vector<std::vector<float>> tables_;
+  int32_t uniform_count_ = 0;  // 2, 4 or 8 where decode_uniform applies
 };
 
 // <a, b> over n floats in 8 independent partial sums (a reduction the compiler can vectorize).
