@@ -53,6 +53,20 @@ class RowDecoder {
       if (op.byte != static_cast<int32_t>(i) || op.count != bytes_[0].count || op.first_channel != op.byte * op.count) break;
       if (i + 1 == bytes_.size()) uniform_count_ = bytes_[0].count;
     }
+    // 3-, 5-, 6- or 7-bit codes of one codebook packed in channel order: 8 channels per `width` bytes
+    const int32_t width = steps_.empty() ? 0 : static_cast<int32_t>(__builtin_popcount(steps_[0].mask));
+    bool packed = bytes_.empty() && !steps_.empty() && steps_.size() % 8 == 0 && width >= 3 && width <= 7;
+    for (size_t t = 0; packed && t < steps_.size(); ++t) {
+      const Step& st = steps_[t];
+      packed = st.channel[0] == static_cast<int32_t>(t) && st.channel[1] < 0 && st.mask == steps_[0].mask &&
+               st.byte * 8 + st.shift == width * static_cast<int32_t>(t) &&
+               std::equal(st.level, st.level + st.size, steps_[0].level);  // one codebook
+    }
+    if (packed) packed_width_ = width;
+    for (unsigned v = 0; packed_width_ == 3 && v < 64; ++v) {  // level pairs of two consecutive 3-bit codes
+      pairs_.push_back(steps_[0].level[v & 7u]);
+      pairs_.push_back(steps_[0].level[v >> 3]);
+    }
   }
 
   void decode(const uint8_t* row, float* out) const {
@@ -60,6 +74,13 @@ class RowDecoder {
       case 2: return decode_uniform<2>(row, out);
       case 4: return decode_uniform<4>(row, out);
       case 8: return decode_uniform<8>(row, out);
+      default: break;
+    }
+    switch (packed_width_) {
+      case 3: return decode_packed<3>(row, out);
+      case 5: return decode_packed<5>(row, out);
+      case 6: return decode_packed<6>(row, out);
+      case 7: return decode_packed<7>(row, out);
       default: break;
     }
     for (const ByteOp& op : bytes_) {
@@ -81,6 +102,24 @@ class RowDecoder {
     const float* table = tables_[0].data();
     const size_t n = bytes_.size();
     for (size_t i = 0; i < n; ++i) std::memcpy(out + i * count, table + static_cast<size_t>(row[i]) * count, count * sizeof(float));
+  }
+
+  // decode() of `width`-bit codes in channel order (packed_width_): each group of 8 channels is `width` bytes
+  // (3-bit codes: two channels per look-up in pairs_, the 64 level pairs)
+  template <int width>
+  void decode_packed(const uint8_t* row, float* out) const {
+    constexpr uint64_t mask = (1u << width) - 1u;
+    const float* level = steps_[0].level;
+    const size_t groups = steps_.size() / 8;
+    for (size_t i = 0; i < groups; ++i) {
+      uint64_t bits = 0;
+      std::memcpy(&bits, row + i * width, width);  // little-endian (x86, ARM)
+      if constexpr (width == 3) {
+        for (int j = 0; j < 4; ++j) std::memcpy(out + i * 8 + 2 * j, pairs_.data() + 2 * ((bits >> (6 * j)) & 63u), 2 * sizeof(float));
+      } else {
+        for (int j = 0; j < 8; ++j) out[i * 8 + j] = level[(bits >> (width * j)) & mask];
+      }
+    }
   }
 
   struct ByteOp {
@@ -128,6 +167,8 @@ class RowDecoder {
   std::vector<Step> steps_;
   std::vector<std::vector<float>> tables_;
   int32_t uniform_count_ = 0;  // 2, 4 or 8 where decode_uniform applies
+  int32_t packed_width_ = 0;   // 3, 5, 6 or 7 where decode_packed applies
+  std::vector<float> pairs_;   // packed_width_ 3: the levels of 6-bit code pairs (low code first)
 };
 
 // <a, b> over n floats in 8 independent partial sums (a reduction the compiler can vectorize).

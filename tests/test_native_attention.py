@@ -43,7 +43,7 @@ def _both(step: scan.DecodeAttention) -> tuple[torch.Tensor, torch.Tensor]:
     return reference, native
 
 
-@pytest.mark.parametrize("bits", [1, 2, 2.5, 3, 3.5, 4, 5, 8])  # fractional: two channel groups (segments)
+@pytest.mark.parametrize("bits", [1, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8])  # fractional: two channel groups (segments)
 def test_native_decode_attention_equals_torch(bits: float) -> None:
     reference, native = _both(_step(bits, batch=2, context=300, window=16, seed=int(bits * 10)))
     assert native.shape == reference.shape == (2, KV_HEADS, QUERY_HEADS // KV_HEADS, HEAD_DIM)
