@@ -56,6 +56,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from tqvec.kv import TurboQuantCache
 
+from .kv_cpu import cache_nbytes
 from .kv_gpu import E2E_WARMUP, HKV, HQ, RESULTS, D
 from .kv_step import decode_ms
 
@@ -138,14 +139,6 @@ def kv16_bytes_per_token(cfg: LlamaConfig) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
 
 
-def cache_bytes(cache: Cache) -> int:
-    """Bytes held by ``cache``: ``nbytes()`` for TurboQuantCache, its key and value tensors for DynamicCache."""
-    if isinstance(cache, TurboQuantCache):
-        return cache.nbytes()
-    return sum(t.numel() * t.element_size() for layer in cache.layers
-               for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
-
-
 class StepClock(BaseStreamer):
     """A ``generate()`` streamer noting when each new token reaches the host (its first ``put`` is the prompt)."""
 
@@ -225,7 +218,7 @@ def generate_run(model: LlamaForCausalLM, kind: Kind, batch: int, length: int, n
     row = {"cache": kind.name, "batch": batch, "context": length, "ok": ok, "seconds": seconds,
            "prefill_s": clock.times[0] - start if clock.times else None, "decode_tokens_per_s": clock.tokens_per_s(batch),
            "peak_bytes": torch.cuda.max_memory_allocated() - base if device.type == "cuda" else None,
-           "cache_bytes": cache_bytes(cache) if ok else None}
+           "cache_bytes": cache_nbytes(cache) if ok else None}
     if isinstance(cache, DynamicCache):
         row["kv16_bytes"] = kv16_bytes_per_token(model.config) * batch * length
     return row
@@ -320,7 +313,7 @@ def decode_part(bench: Bench, contexts: list[int], section: dict) -> None:
                 cache = kind.make()
                 with _cudnn_sdpa(cudnn):
                     ms = decode_ms(bench.model, cache, ids, bench.new_tokens, warmup=E2E_WARMUP)
-                row.update(ms_per_step=ms, tokens_per_s=1000 / ms, cache_bytes=cache_bytes(cache))
+                row.update(ms_per_step=ms, tokens_per_s=1000 / ms, cache_bytes=cache_nbytes(cache))
                 del cache
             section["rows"].append(row)
             _show(row)

@@ -26,6 +26,7 @@ from tqvec.kv import TurboQuantCache, TurboQuantLayer
 from tqvec.kv.attention import compressed_attention, decode_step
 from tqvec.kv.codec import HeadCodec
 
+from .kv_cpu import cache_nbytes
 from .kv_step import decode_ms
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -125,8 +126,7 @@ def end_to_end(layers: int, context: int, new_tokens: int, bits: float) -> list[
         base = torch.cuda.memory_allocated()
         cache = make()
         seconds = decode_ms(model, cache, ids, new_tokens, warmup=E2E_WARMUP) * new_tokens / 1000
-        cache_bytes = cache.nbytes() if isinstance(cache, TurboQuantCache) else sum(
-            t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
+        cache_bytes = cache_nbytes(cache)
         rows.append({"cache": name, "layers": layers, "context": context, "tokens_per_s": new_tokens / seconds,
                      "peak_mem_gib": (torch.cuda.max_memory_allocated() - base) / 2 ** 30, "cache_mib": cache_bytes / 2 ** 20})
         del cache

@@ -47,12 +47,12 @@ class RowDecoder {
       }
     }
     // the common case (4-, 2- or 1-bit codes of one codebook): byte i holds channels [i * count, (i + 1) * count)
-    const bool uniform = steps_.empty() && tables_.size() == 1 && !bytes_.empty();
+    bool uniform = steps_.empty() && tables_.size() == 1 && !bytes_.empty();
     for (size_t i = 0; uniform && i < bytes_.size(); ++i) {
       const ByteOp& op = bytes_[i];
-      if (op.byte != static_cast<int32_t>(i) || op.count != bytes_[0].count || op.first_channel != op.byte * op.count) break;
-      if (i + 1 == bytes_.size()) uniform_count_ = bytes_[0].count;
+      uniform = op.byte == static_cast<int32_t>(i) && op.count == bytes_[0].count && op.first_channel == op.byte * op.count;
     }
+    if (uniform) uniform_count_ = bytes_[0].count;
     // 3-, 5-, 6- or 7-bit codes of one codebook packed in channel order: 8 channels per `width` bytes
     const int32_t width = steps_.empty() ? 0 : static_cast<int32_t>(__builtin_popcount(steps_[0].mask));
     bool packed = bytes_.empty() && !steps_.empty() && steps_.size() % 8 == 0 && width >= 3 && width <= 7;

@@ -65,7 +65,7 @@ from .. import scan
 from ..quantizer import TurboQuantizer
 from .cache import CompressedKV
 from .codec import HeadCodec
-from .store import ENCODE_ROWS, CodeStore
+from .store import ENCODE_ROWS, CodeStore, restore_channels
 
 NAME = "tqvec"
 #: value code rows (over all heads) dequantized at once on CUDA (the CPU uses ``scan.BLOCK_ROWS``)
@@ -115,9 +115,7 @@ def _values(store: CodeStore, perm: torch.Tensor | None, probs: torch.Tensor) ->
             acc += (probs[..., start:stop] * scales[:, :, None, :]) @ levels
         parts.append(quantizer.rotation.inverse(acc.reshape(b * h * m, -1)).reshape(b, h, m, -1))
     out = torch.cat(parts, dim=3)
-    if perm is None:
-        return out
-    return torch.empty_like(out).scatter_(3, perm[None, :, None, :].expand(b, h, m, -1), out)
+    return out if perm is None else restore_channels(out, perm)
 
 
 def _rotation_matrices(quantizer: TurboQuantizer, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,6 +34,18 @@ GROWTH_DIVISOR = 128
 ENCODE_ROWS = 8192
 
 
+def permute_channels(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(b, h, t, d)`` with each head's channels in the order ``perm`` ``(h, d)``: ``out[..., i] = x[..., perm[i]]``."""
+    b, h, t, d = x.shape
+    return torch.gather(x, 3, perm[None, :, None, :].expand(b, h, t, d))
+
+
+def restore_channels(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`permute_channels`: ``out[..., perm[i]] = x[..., i]``."""
+    b, h, t, d = x.shape
+    return torch.empty_like(x).scatter_(3, perm[None, :, None, :].expand(b, h, t, d), x)
+
+
 class CodeStore:
     """Codes of ``(b, h, length)`` head vectors under ``codec`` (all tensors on one device)."""
 
@@ -63,7 +75,7 @@ class CodeStore:
             if mean is not None:
                 block = block - mean[:, :, None]
             if perm is not None:
-                block = torch.gather(block, 3, perm[None, :, None, :].expand(b, h, stop - start, d))
+                block = permute_channels(block, perm)
             at = slice(self.length + start, self.length + stop)
             for g, dst in zip(self.codec.groups, self.fields):
                 rows = block[..., g.start:g.stop].reshape(-1, g.stop - g.start).contiguous()
@@ -118,14 +130,7 @@ class CodeStore:
     # ------------------------------------------------------------------ reading
     def codes(self, group: int, batch: int, head: int, start: int, stop: int) -> Codes:
         """:class:`Codes` (float32 scales, views of the packed rows) of tokens ``[start, stop)`` of one head."""
-        f = self.fields[group]
-        rnorms = f.get("rnorms")
-        return Codes(
-            packed=f["packed"][batch, head, start:stop],
-            scales=f["scales"][batch, head, start:stop].float(),
-            qjl=None if "qjl" not in f else f["qjl"][batch, head, start:stop],
-            residual_norms=None if rnorms is None else rnorms[batch, head, start:stop].float(),
-        )
+        return self._codes(group, (batch, head, slice(start, stop)))
 
     def rows(self, group: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens ``[start, stop)`` of all heads: packed ``(b·h·L, row_bytes)`` uint8, scales ``(b, h, L)`` float32."""
@@ -162,7 +167,7 @@ class CodeStore:
             for gi, g in enumerate(self.codec.groups):
                 block[..., g.start:g.stop] = g.quantizer.decode(self._all_heads(gi, at)).view(b, h, hi - lo, -1)
             if perm is not None:
-                block = torch.empty_like(block).scatter_(3, perm[None, :, None, :].expand(b, h, hi - lo, d), block)
+                block = restore_channels(block, perm)
             if mean is not None:
                 block += mean[:, :, None]
             out[:, :, lo:hi] = block
@@ -170,12 +175,18 @@ class CodeStore:
     def _all_heads(self, group: int, tokens: slice) -> Codes:
         """:class:`Codes` (float32 scales) of ``tokens`` of every batch row and head, rows in (batch, head, token)
         order."""
-        f = {k: v[:, :, tokens] for k, v in self.fields[group].items()}
+        return self._codes(group, (slice(None), slice(None), tokens))
+
+    def _codes(self, group: int, index: tuple) -> Codes:
+        """:class:`Codes` (float32 scales) of the fields of ``group`` indexed by ``index`` over (batch, head, token),
+        flattened to rows."""
+        f = {k: v[index] for k, v in self.fields[group].items()}
+        rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
         rnorms = f.get("rnorms")
         return Codes(
-            packed=f["packed"].reshape(-1, f["packed"].shape[-1]),
+            packed=rows(f["packed"]),
             scales=f["scales"].reshape(-1).float(),
-            qjl=None if "qjl" not in f else f["qjl"].reshape(-1, f["qjl"].shape[-1]),
+            qjl=None if "qjl" not in f else rows(f["qjl"]),
             residual_norms=None if rnorms is None else rnorms.reshape(-1).float(),
         )
 
