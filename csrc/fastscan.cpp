@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <vector>
@@ -50,6 +51,8 @@ class BestRows {
 
   float threshold() const { return heap_.size() < capacity_ ? kNegInf : heap_.front().score; }
 
+  int64_t capacity() const { return static_cast<int64_t>(capacity_); }
+
   void push(float score, int64_t row, float constant) {
     if (!(score > threshold())) return;
     if (heap_.size() < capacity_) {
@@ -63,6 +66,8 @@ class BestRows {
   }
 
   std::vector<Candidate>& items() { return heap_; }
+
+  int64_t exact = 0;  // rows scored with the float tables for this query (SearchArgs::out_exact)
 
  private:
   struct WorseFirst {
@@ -286,6 +291,7 @@ void scan_exact(const SearchArgs& a, const ExactSteps& steps, const Work& w, con
       const float dot = exact_dot(steps, lut, rows.packed + at * rows.row_bytes);
       best.push(finish(rows, at, dot, s.constant), r, s.constant);
     }
+    best.exact += s.hi - s.lo;
   }
 }
 
@@ -710,6 +716,7 @@ __attribute__((target("avx2,fma"))) inline void refine(const SearchArgs& a, cons
     for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(rows[i] + line);
   }
   const float* lut = src.exact_luts + j * src.exact_entries;
+  best.exact += n;
   for (int i = 0; i < n; ++i) {
     const int64_t slot = b * kRowsPerBlock + lanes[i];
     const uint8_t* row = rows[i];
@@ -719,10 +726,35 @@ __attribute__((target("avx2,fma"))) inline void refine(const SearchArgs& a, cons
   }
 }
 
+// The `capacity` largest lower bounds seen so far (a min-heap): while it is full, a row whose upper bound is below
+// its smallest cannot be among the best `capacity` (that many rows score at least their lower bounds, above it).
+class LowerBounds {
+ public:
+  explicit LowerBounds(int64_t capacity) : capacity_(static_cast<size_t>(capacity)) { heap_.reserve(capacity_); }
+
+  float threshold() const { return heap_.size() < capacity_ ? kNegInf : heap_.front(); }
+
+  void push(float bound) {
+    if (!(bound > threshold())) return;
+    if (heap_.size() == capacity_) {
+      std::pop_heap(heap_.begin(), heap_.end(), std::greater<float>());
+      heap_.pop_back();
+    }
+    heap_.push_back(bound);
+    std::push_heap(heap_.begin(), heap_.end(), std::greater<float>());
+  }
+
+ private:
+  size_t capacity_;
+  std::vector<float> heap_;
+};
+
 // Scans the blocks of work item `w` for each of its queries (tables `luts` of `src.plan`, one set per query):
 // each block is looked up for every query of the group while it is in cache. One stage: a row enters `best`
-// with its 8-bit estimate. Two stages: a row is scored exactly (and enters `best` with that score) when its
-// estimate plus confidence * |q| * slack plus the tables' rounding bound beats the query's k-th exact score.
+// with its 8-bit estimate. Two stages: a row's estimate plus or minus confidence * |q| * slack plus the tables'
+// rounding bound brackets its score; the row is scored exactly (and enters `best` with that score) when its upper
+// end beats the query's k-th exact score and reaches the k-th largest lower end of the rows scanned (LowerBounds:
+// so the first rows scanned are not all scored exactly while `best` fills).
 __attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Work& w, const float* luts,
                                                    std::vector<BestRows>& best, const SimdSource& src, bool avx512) {
   const Blocks& blocks = *src.blocks;
@@ -732,6 +764,7 @@ __attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Wo
   const GroupTables tables(plan, *src.ops, luts, group, avx512);
   const bool two_stage = src.slack != nullptr;
   std::vector<float> reach(static_cast<size_t>(group)), rounding(static_cast<size_t>(group));
+  std::vector<LowerBounds> floor(two_stage ? static_cast<size_t>(group) : 0, LowerBounds(best.empty() ? 1 : best[0].capacity()));
   for (int64_t j = 0; two_stage && j < group; ++j) {  // bound = reach * slack + rounding * |gain|
     const float* q = a.queries + (w.query + j) * a.dim;
     float squared = 0.0f;
@@ -758,20 +791,29 @@ __attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Wo
           block_sums(codes, *src.ops, tables.narrow.data() + j * plan.n_steps, sums);
         }
         const __m256 inv_scale = _mm256_set1_ps(tables.q[j].inv_scale), offset = _mm256_set1_ps(tables.q[j].offset);
-        const __m256 threshold = _mm256_set1_ps(best[j].threshold());
-        int n_passing = 0;
+        __m256 value[4];
         for (int g = 0; g < 4; ++g) {  // side fields and row numbers are stored in the same lane order
           const __m256 dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[g]), inv_scale, offset);
           const __m256 gain = _mm256_loadu_ps(scale + 8 * g);
-          __m256 value = _mm256_add_ps(_mm256_fmadd_ps(dot, gain, _mm256_loadu_ps(bias + 8 * g)), constant);
-          if (two_stage) {
-            const __m256 bound = _mm256_fmadd_ps(_mm256_loadu_ps(slack + 8 * g), _mm256_set1_ps(reach[j]),
-                                                 _mm256_mul_ps(_mm256_andnot_ps(sign_bit, gain), _mm256_set1_ps(rounding[j])));
-            value = _mm256_add_ps(value, bound);
-          }
-          int passing = _mm256_movemask_ps(_mm256_cmp_ps(value, threshold, _CMP_GT_OQ));
+          value[g] = _mm256_add_ps(_mm256_fmadd_ps(dot, gain, _mm256_loadu_ps(bias + 8 * g)), constant);
+          if (!two_stage) continue;
+          const __m256 bound = _mm256_fmadd_ps(_mm256_loadu_ps(slack + 8 * g), _mm256_set1_ps(reach[j]),
+                                               _mm256_mul_ps(_mm256_andnot_ps(sign_bit, gain), _mm256_set1_ps(rounding[j])));
+          const __m256 lower = _mm256_sub_ps(value[g], bound);
+          value[g] = _mm256_add_ps(value[g], bound);  // the upper end
+          int raising = _mm256_movemask_ps(_mm256_cmp_ps(lower, _mm256_set1_ps(floor[j].threshold()), _CMP_GT_OQ));
+          if (!raising) continue;
+          _mm256_store_ps(score, lower);
+          for (; raising; raising &= raising - 1) floor[j].push(score[__builtin_ctz(raising)]);
+        }
+        const __m256 threshold = _mm256_set1_ps(best[j].threshold());
+        const __m256 reachable = _mm256_set1_ps(two_stage ? floor[j].threshold() : kNegInf);
+        int n_passing = 0;
+        for (int g = 0; g < 4; ++g) {
+          int passing = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(value[g], threshold, _CMP_GT_OQ),
+                                                         _mm256_cmp_ps(value[g], reachable, _CMP_GE_OQ)));
           if (!passing) continue;
-          _mm256_store_ps(score, value);
+          _mm256_store_ps(score, value[g]);
           while (passing) {
             const int i = __builtin_ctz(passing);
             passing &= passing - 1;
@@ -904,16 +946,6 @@ void decode_levels(const Plan& plan, const uint8_t* row, float* o) {
   }
 }
 
-// |o - coef * c| for the (channels,) vectors o and c.
-double residual_norm(const std::vector<float>& o, const std::vector<float>& c, double coef) {
-  double sum = 0.0;
-  for (size_t i = 0; i < o.size(); ++i) {
-    const double e = o[i] - coef * c[i];
-    sum += e * e;
-  }
-  return std::sqrt(sum);
-}
-
 // Completes a two-stage store whose first-stage plan is built: lays the rows' first-stage codes (`coarse`,
 // coarse_bytes per row) out in blocks with their gains, and per slot the slack, the scale and, for rows taken through
 // list_rows (an inverted file's lists), a copy of the row in slot order (so a list's rows sit side by side).
@@ -976,50 +1008,61 @@ SignStore arrange_signs(const Rows& rows, const Plan& plan, int64_t channels, co
   return out;
 }
 
-SignStore arrange_high_nibbles(const Rows& rows, const Plan& plan, int64_t channels, const int64_t* offsets,
-                               const int64_t* list_rows, int64_t n_groups) {
+SignStore arrange_high_bits(const Rows& rows, const Plan& plan, int64_t channels, int kept, const int64_t* offsets,
+                            const int64_t* list_rows, int64_t n_groups) {
   SignStore out;
   std::vector<int> step_of(static_cast<size_t>(channels), -1);
   for (int t = 0; t < plan.n_steps; ++t) step_of[plan.channel[t * kMaxStepChannels]] = t;
-  // step c of the first stage: channel c's high nibble, in byte c / 2; its level is the mean of the levels it groups
-  std::vector<float> mean(static_cast<size_t>(channels) * kLut, 0.0f);
+  // channel c's high code (code >> (width - kept)) stands for the mean of the levels it groups
+  const int per_step = 4 / kept, groups = 1 << kept;
+  std::vector<float> mean(static_cast<size_t>(channels) * groups, 0.0f);
   for (int64_t c = 0; c < channels; ++c) {
-    out.byte.push_back(static_cast<int32_t>(c / 2));
-    out.shift.push_back(static_cast<int32_t>(4 * (c % 2)));
-    out.width.push_back(4);
-    out.offset.push_back(static_cast<int32_t>(kLut * c));
     const int t = step_of[static_cast<size_t>(c)];
-    const int width = plan.width[t], low = std::max(0, width - 4), size = 1 << width;
+    const int width = plan.width[t], low = std::max(0, width - kept), size = 1 << width;
     const float* level = plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[t];
-    for (int code = 0; code < size; ++code) mean[c * kLut + (code >> low)] += level[code] / static_cast<float>(1 << low);
+    for (int code = 0; code < size; ++code) mean[c * groups + (code >> low)] += level[code] / static_cast<float>(1 << low);
+  }
+  // step s of the first stage: the nibble of channels per_step * s ..; in byte s / 2; entry e holds channel
+  // per_step * s + j's high code in bits kept * j ..
+  const int64_t n_steps = (channels + per_step - 1) / per_step;
+  for (int64_t step = 0; step < n_steps; ++step) {
+    out.byte.push_back(static_cast<int32_t>(step / 2));
+    out.shift.push_back(static_cast<int32_t>(4 * (step % 2)));
+    out.width.push_back(4);
+    out.offset.push_back(static_cast<int32_t>(kLut * step));
     for (int j = 0; j < kMaxStepChannels; ++j) {
-      out.channel.push_back(j == 0 ? static_cast<int32_t>(c) : -1);
-      for (int e = 0; e < kLut; ++e) out.level.push_back(j == 0 ? mean[c * kLut + e] : 0.0f);
+      const int64_t c = per_step * step + j;
+      const bool used = j < per_step && c < channels;
+      out.channel.push_back(used ? static_cast<int32_t>(c) : -1);
+      for (int e = 0; e < kLut; ++e) out.level.push_back(used ? mean[c * groups + ((e >> (kept * j)) & (groups - 1))] : 0.0f);
     }
   }
-  out.offset.push_back(static_cast<int32_t>(kLut * channels));
-  const int64_t nibble_bytes = (channels + 1) / 2;
-  std::vector<uint8_t> nibbles(static_cast<size_t>(rows.n * nibble_bytes), 0);
+  out.offset.push_back(static_cast<int32_t>(kLut * n_steps));
+  const int64_t coarse_bytes = (n_steps + 1) / 2;
+  std::vector<uint8_t> coarse_codes(static_cast<size_t>(rows.n * coarse_bytes), 0);
   std::vector<float> gain(static_cast<size_t>(rows.n)), slack(static_cast<size_t>(rows.n));
   std::vector<float> o(static_cast<size_t>(channels)), coarse(static_cast<size_t>(channels));
   const double root_d1 = std::sqrt(std::max<double>(1.0, channels - 1.0));
   for (int64_t r = 0; r < rows.n; ++r) {
     const uint8_t* row = rows.packed + r * rows.row_bytes;
     decode_levels(plan, row, o.data());
-    double oc = 0.0, cc = 0.0;
+    double oo = 0.0, oc = 0.0, cc = 0.0;
     for (int64_t c = 0; c < channels; ++c) {
       const int t = step_of[static_cast<size_t>(c)];
-      const int32_t high = step_code(plan, t, row) >> std::max(0, plan.width[t] - 4);
-      nibbles[r * nibble_bytes + c / 2] |= static_cast<uint8_t>(high << (4 * (c % 2)));
-      coarse[c] = mean[c * kLut + high];
+      const int32_t high = step_code(plan, t, row) >> std::max(0, plan.width[t] - kept);
+      const int64_t step = c / per_step;
+      coarse_codes[r * coarse_bytes + step / 2] |= static_cast<uint8_t>(high << (4 * (step % 2) + kept * (c % per_step)));
+      coarse[c] = mean[c * groups + high];
+      oo += static_cast<double>(o[c]) * o[c];
       oc += static_cast<double>(o[c]) * coarse[c];
       cc += static_cast<double>(coarse[c]) * coarse[c];
     }
-    const double scale = rows.scale ? rows.scale[r] : 1.0, coef = cc > 0.0 ? oc / cc : 0.0;  // o's projection on coarse
-    gain[r] = static_cast<float>(scale * coef);
-    slack[r] = static_cast<float>(std::fabs(scale) * residual_norm(o, coarse, coef) / root_d1);
+    // a mean shares its levels' sign, so <o, c> > 0 unless o = 0 (then the score is the bias: gain and slack 0)
+    const double scale = rows.scale ? rows.scale[r] : 1.0, f = oc > 0.0 ? oc / std::sqrt(oo * cc) : 1.0;  // cos(o, c)
+    gain[r] = oc > 0.0 ? static_cast<float>(scale * oo / oc) : 0.0f;
+    slack[r] = static_cast<float>(std::fabs(scale) * std::sqrt(oo) * std::sqrt(std::max(0.0, 1.0 - f * f)) / (f * root_d1));
   }
-  fill_two_stage(out, rows, nibbles, nibble_bytes, gain, slack, offsets, list_rows, n_groups);
+  fill_two_stage(out, rows, coarse_codes, coarse_bytes, gain, slack, offsets, list_rows, n_groups);
   return out;
 }
 
@@ -1069,6 +1112,8 @@ const char* search(const SearchArgs& a, Isa max_isa) {
   const ExactSteps& exact = steps.exact;
   // candidates per item and query of the item, kept for the merge when a query's rows are split across items
   std::vector<std::vector<std::vector<Candidate>>> found(work.size());
+  std::vector<std::vector<int64_t>> exact_counts(work.size());  // rows scored exactly, per item and query of the item
+  for (size_t i = 0; i < work.size(); ++i) exact_counts[i].resize(static_cast<size_t>(work[i].query_end - work[i].query));
 #ifdef TQVEC_X86
   const StepOps& ops = two_stage ? a.signs->steps->ops : steps.ops;
 #endif
@@ -1112,7 +1157,9 @@ const char* search(const SearchArgs& a, Isa max_isa) {
           const float* lut = luts.get() + j * table_entries(a.plan);
           for (Candidate& c : cands)
             c.score = finish(a.rows, c.row, exact_dot(exact, lut, a.rows.packed + c.row * a.rows.row_bytes), c.constant);
+          best[j].exact += static_cast<int64_t>(cands.size());
         }
+        exact_counts[i][j] = best[j].exact;
         if (parts == 1) {  // the query's only item: answer now, keep nothing for the merge
           const int64_t q = w.query + static_cast<int64_t>(j);
           write_best(a.k, cands, a.out_values + q * a.k, a.out_rows + q * a.k);
@@ -1123,6 +1170,11 @@ const char* search(const SearchArgs& a, Isa max_isa) {
     }
   };
   parallel_for(work.size(), threads, scan_items);
+  if (a.out_exact) {
+    std::fill(a.out_exact, a.out_exact + a.nq, int64_t{0});
+    for (size_t i = 0; i < work.size(); ++i)
+      for (size_t j = 0; j < exact_counts[i].size(); ++j) a.out_exact[work[i].query + static_cast<int64_t>(j)] += exact_counts[i][j];
+  }
   const char* kernel = two_stage ? (avx512 ? "avx512-two-stage" : "avx2-two-stage") : avx512 ? "avx512" : simd ? "avx2" : "scalar";
   if (parts == 1) return kernel;  // each query was answered by its only item
   // Merge the (exactly scored) candidates of each query's items.

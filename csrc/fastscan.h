@@ -11,8 +11,8 @@
 //   (byte j of the 32 rows side by side). Tables quantized to 8 bits with one scale per query; one byte shuffle
 //   looks up 32 rows (64 with AVX-512 BW); 16-bit sums, widened to 32 bits every 256 steps. The best `rescore`
 //   rows by that estimate are re-scored exactly with the float tables (row-major codes); the best `k` returned.
-// * two stages (`arrange_signs` or, for wide codes, `arrange_high_nibbles`; SignStore): the rows' sign bits (or the
-//   high nibbles of their codes) in that block layout are scanned the same way; a row is scored exactly only when
+// * two stages (`arrange_signs` or `arrange_high_bits`; SignStore): the rows' sign bits (or the high bits of their
+//   codes) in that block layout are scanned the same way; a row is scored exactly only when
 //   its estimate plus an error bound beats the query's k-th exact score.
 // * exact: float tables for every row (no AVX2, or wide codes without a two-stage layout), reading an inverted file's rows in list order
 //   (`arrange_lists`) where that copy exists.
@@ -143,12 +143,14 @@ struct SignBlocks {
 SignStore arrange_signs(const Rows& rows, const Plan& plan, int64_t channels, const int64_t* offsets,
                         const int64_t* list_rows, int64_t n_groups);
 
-// The two-stage layout of wide codes (`plan`: one channel per step, 3 to 8 bits, channels 0 .. channels - 1): the
-// first stage reads each channel's high nibble (code >> (width - 4)) with the mean of the levels it groups, c;
-// a row's gain is scale_r * <o, c> / |c|^2 (o's projection on c) and its slack |scale_r| * |o - (<o, c> / |c|^2) c|
-// / sqrt(D - 1), the same bound as the sign layout's, for the error vector of this estimate.
-SignStore arrange_high_nibbles(const Rows& rows, const Plan& plan, int64_t channels, const int64_t* offsets,
-                               const int64_t* list_rows, int64_t n_groups);
+// The two-stage layout of codes read one channel per step (`plan`: 3 to 8 bits, channels 0 .. channels - 1) whose first
+// stage reads the high `kept` bits of each channel's code (code >> (width - kept); kept = 4: a nibble per channel,
+// for 5- to 8-bit codes; kept = 2: two channels per nibble, for 3- and 4-bit codes), each standing for the mean of
+// the levels it groups. With c those means for a row's codes and f = cos(o, c), the estimate of scale_r * <q, o> is
+// gain * <q, c>, gain = scale_r * |o|^2 / <o, c> (exact for q along o, as the sign layout's), and the slack
+// |scale_r| * |o| * sqrt(1 - f^2) / (f * sqrt(D - 1)): the sign layout's estimator and bound with c for s.
+SignStore arrange_high_bits(const Rows& rows, const Plan& plan, int64_t channels, int kept, const int64_t* offsets,
+                            const int64_t* list_rows, int64_t n_groups);
 
 struct SearchArgs {
   Plan plan;
@@ -167,6 +169,7 @@ struct SearchArgs {
   int threads;
   float* out_values;      // (nq, k), best first; -inf padding
   int64_t* out_rows;      // (nq, k); -1 padding
+  int64_t* out_exact;     // (nq,): rows each query scored with the float tables (its exact scores), or null
 };
 
 // Instruction sets of the kernels, in order: the scalar exact kernel, the AVX2 fast scan, the fast scan with

@@ -96,17 +96,19 @@ class PlanHandle {
 
 // The rows a search reads: row-major codes (n, row_bytes) read by `plan`, with their scale / bias (n,) or empty,
 // grouped by offsets (and list_rows, each in [0, n)), plus a layout for the SIMD kernels: "nibbles" (the
-// fast-scan layout of the codes), "signs" or "high-nibbles" (the two-stage scan's layouts), or for the exact kernel
-// "lists" (the rows copied in list order) or "" (none).
+// fast-scan layout of the codes), "signs", "high-pairs" or "high-nibbles" (the two-stage scan's layouts: sign bits,
+// the high 2 or the high 4 bits of each channel's code), or for the exact kernel "lists" (the rows copied in list
+// order) or "" (none).
 // Holds references to the arrays, which must not change while it lives.
 class RowsHandle {
  public:
   RowsHandle(Array<uint8_t, nb::ndim<2>> packed, Array<float> scale, Array<float> bias, Array<int64_t, nb::ndim<1>> offsets,
              Array<int64_t> list_rows, const PlanHandle& plan, const std::string& layout)
       : packed_(packed), scale_(scale), bias_(bias), offsets_(offsets), list_rows_(list_rows) {
-    require(layout.empty() || layout == "nibbles" || layout == "signs" || layout == "high-nibbles" || layout == "lists",
-            "layout must be '', 'nibbles', 'signs', 'high-nibbles' or 'lists'");
-    if (layout == "high-nibbles") require(plan.single_channel_steps(), "high-nibbles needs one channel per step of 3 to 8 bits");
+    const bool high_bits = layout == "high-pairs" || layout == "high-nibbles";
+    require(layout.empty() || layout == "nibbles" || layout == "signs" || high_bits || layout == "lists",
+            "layout must be '', 'nibbles', 'signs', 'high-pairs', 'high-nibbles' or 'lists'");
+    if (high_bits) require(plan.single_channel_steps(), "high-pairs and high-nibbles need one channel per step of 3 to 8 bits");
     require(plan.last_byte() < static_cast<int64_t>(packed.shape(1)), "the plan reads past the end of a row");
     const int64_t n = static_cast<int64_t>(packed.shape(0));
     require(scale.size() == 0 || scale.size() == static_cast<size_t>(n), "scale must have one entry per row");
@@ -124,10 +126,11 @@ class RowsHandle {
     if (layout == "nibbles") {
       blocks_ = tqvec::arrange(rows_, off, groups_.list_rows, n_groups);
       layout_ = blocks_->view();
-    } else if (layout == "signs" || layout == "high-nibbles") {
+    } else if (layout == "signs" || high_bits) {
       channels_ = plan.last_channel() + 1;
       signs_ = layout == "signs" ? tqvec::arrange_signs(rows_, plan.view(), channels_, off, groups_.list_rows, n_groups)
-                                 : tqvec::arrange_high_nibbles(rows_, plan.view(), channels_, off, groups_.list_rows, n_groups);
+                                 : tqvec::arrange_high_bits(rows_, plan.view(), channels_, layout == "high-pairs" ? 2 : 4, off,
+                                                            groups_.list_rows, n_groups);
       sign_view_ = {signs_->blocks.view(), signs_->slack.data(), signs_->scale.data(),
                     signs_->codes.empty() ? nullptr : signs_->codes.data(), signs_->plan(),
                     signs_->steps.get()};
@@ -208,10 +211,10 @@ class QueryHandle {
 };
 
 // Searches `source` for queries (nq, dim) (rotated) with optional probes (nq, n_probe) and their constants; fills
-// values / rows (nq, k). Returns the kernel's name.
+// values / rows (nq, k) and, when not null, exact (nq,): the rows each query scored exactly. Returns the kernel's name.
 const char* run_search(const PlanHandle& plan, const RowsHandle& source, const float* queries, int64_t nq, int64_t dim,
                        const int64_t* probe, const float* probe_constant, int64_t n_probe, int64_t k, int64_t rescore,
-                       float confidence, int threads, int max_isa, float* values, int64_t* rows) {
+                       float confidence, int threads, int max_isa, float* values, int64_t* rows, int64_t* exact = nullptr) {
   require(plan.last_byte() < source.rows().row_bytes, "the plan reads past the end of a row");
   require(plan.last_channel() < dim, "the plan reads a channel the queries do not have");
   require(source.signs() == nullptr || source.sign_channels() == plan.last_channel() + 1,
@@ -227,7 +230,7 @@ const char* run_search(const PlanHandle& plan, const RowsHandle& source, const f
     require(groups.n_groups == 1, "several groups need probe");
   }
   const tqvec::SearchArgs args{plan.view(), plan.steps(), source.rows(), groups, queries, nq, dim, k, rescore, source.layout(),
-                               source.signs(), source.ordered(), confidence, threads, values, rows};
+                               source.signs(), source.ordered(), confidence, threads, values, rows, exact};
   nb::gil_scoped_release release;
   return tqvec::search(args, static_cast<tqvec::Isa>(std::clamp(max_isa, 0, 2)));
 }
@@ -240,6 +243,8 @@ nb::ndarray<nb::numpy, T, nb::ndim<2>> owned(T* data, int64_t nq, int64_t k) {
   return nb::ndarray<nb::numpy, T, nb::ndim<2>>(data, 2, shape, owner);
 }
 
+// The kernel search of rotated queries (nq, dim): (values (nq, k), rows (nq, k), kernel name, rows scored exactly per
+// query (nq, 1) int64).
 nb::tuple search(const PlanHandle& plan, const RowsHandle& source, Array<float, nb::ndim<2>> queries, Array<int64_t> probe,
                  Array<float> probe_constant, int64_t k, int64_t rescore, float confidence, int threads, int max_isa) {
   const int64_t nq = static_cast<int64_t>(queries.shape(0));
@@ -254,9 +259,12 @@ nb::tuple search(const PlanHandle& plan, const RowsHandle& source, Array<float, 
   auto* rows = new int64_t[static_cast<size_t>(nq * k)];
   auto out_values = owned(values, nq, k);
   auto out_rows = owned(rows, nq, k);
+  auto* exact = new int64_t[static_cast<size_t>(nq)];
+  auto out_exact = owned(exact, nq, 1);
   const char* kernel = run_search(plan, source, queries.data(), nq, static_cast<int64_t>(queries.shape(1)), optional_data(probe),
-                                  optional_data(probe_constant), n_probe, k, rescore, confidence, threads, max_isa, values, rows);
-  return nb::make_tuple(out_values, out_rows, kernel);
+                                  optional_data(probe_constant), n_probe, k, rescore, confidence, threads, max_isa, values, rows,
+                                  exact);
+  return nb::make_tuple(out_values, out_rows, kernel, out_exact);
 }
 
 // ValueError worded as tqvec.validation words it, from the queries' squared norms (double): "contains NaN or Inf"

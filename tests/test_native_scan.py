@@ -34,13 +34,16 @@ def kernel():
     _fastscan.set_cpu_kernel(before)
 
 
-@pytest.fixture(params=["nibbles", "signs", "high-nibbles"])
+@pytest.fixture(params=["nibbles", "signs", "high-pairs", "high-nibbles"])
 def layout(request, monkeypatch) -> str:
     """Every SIMD scan on these small dimensions: one stage (8-bit tables of the codes, then the best candidates
-    re-scored; wide codes then take the exact kernel), two stages from the signs (then exact scores of the rows
-    whose bound reaches the k-th best; otherwise only for codes of at least TWO_STAGE_MIN_CHANNELS channels), and
-    two stages from the high nibbles of wide codes (narrow codes: one stage)."""
-    monkeypatch.setattr(_fastscan, "TWO_STAGE_MIN_CHANNELS", 1 if request.param == "signs" else 1 << 30)
+    re-scored; wide codes then take the exact kernel), two stages from the signs or, for 3- and 4-bit codes, from
+    the high 2 bits of each code (then exact scores of the rows whose bound reaches the k-th best; otherwise only
+    for codes of at least TWO_STAGE_MIN_CHANNELS channels), and two stages from the high nibbles of wide codes
+    (narrow codes: one stage)."""
+    two_stage = request.param in ("signs", "high-pairs")
+    monkeypatch.setattr(_fastscan, "TWO_STAGE_MIN_CHANNELS", 1 if two_stage else 1 << 30)
+    monkeypatch.setattr(_fastscan, "HIGH_PAIRS", request.param == "high-pairs")
     monkeypatch.setattr(_fastscan, "HIGH_NIBBLES", request.param == "high-nibbles")
     return request.param
 
@@ -140,9 +143,9 @@ def test_every_kernel_returns_the_same_rows(layout: str, dim: int, bits: float) 
     out = {}
     chosen = _fastscan.layout(plan, lists)  # lists copied in order (wide codes, one stage): the scalar kernel runs
     for isa, name in enumerate(_fastscan.kernels()):
-        values, rows, used = _fastscan._native.search(plan.handle, source, rotated.numpy(), probe, constant, 10, 64,
+        values, rows, used, _ = _fastscan._native.search(plan.handle, source, rotated.numpy(), probe, constant, 10, 64,
                                                       _fastscan.CONFIDENCE, 1, isa)
-        two_stage = chosen in ("signs", "high-nibbles")
+        two_stage = chosen in ("signs", "high-pairs", "high-nibbles")
         assert used == ("scalar" if not isa or chosen == "lists" else name + ("-two-stage" if two_stage else ""))
         out[name] = (values, rows)
     for name in _fastscan.kernels()[1:]:
@@ -156,6 +159,7 @@ def test_two_stage_layout_copies_codes_only_for_lists(monkeypatch) -> None:
     if not _fastscan.simd():
         pytest.skip("this CPU has no AVX2 + FMA: no fast-scan layout is built")
     monkeypatch.setattr(_fastscan, "TWO_STAGE_MIN_CHANNELS", 1)
+    monkeypatch.setattr(_fastscan, "HIGH_PAIRS", False)
     quantizer = TurboQuantizer(128, 4, seed=7)
     codes = quantizer.encode(_data(3000, 128, seed=12))
     plan = quantizer.table("cpu").native_plan()
@@ -165,6 +169,59 @@ def test_two_stage_layout_copies_codes_only_for_lists(monkeypatch) -> None:
         source = _fastscan.rows(codes.packed, codes.scales, None, plan, grouping)
         copied = source.layout_nbytes > codes.packed.numel()
         assert copied == (grouping is not None), (grouping, source.layout_nbytes, codes.packed.numel())
+
+
+@pytest.mark.parametrize("two_stage", ["signs", "high-pairs", "high-nibbles"])
+def test_two_stage_scores_exactly_only_rows_that_can_reach_the_top_k(monkeypatch, two_stage: str) -> None:
+    """One block of 32 rows, 10 near the query and 22 near its opposite: before the top 10 has any exact score, the
+    rows whose upper bound is below the 10th largest lower bound are skipped, so only the 10 near rows get an exact
+    score (scoring all 32 fails this); the answer is the reference's."""
+    if not _fastscan.simd():
+        pytest.skip("this CPU has no AVX2 + FMA: no two-stage layout is built")
+    monkeypatch.setattr(_fastscan, "TWO_STAGE_MIN_CHANNELS", 1)
+    monkeypatch.setattr(_fastscan, "HIGH_PAIRS", two_stage == "high-pairs")
+    dim, bits = 256, 6 if two_stage == "high-nibbles" else 4
+    rng = np.random.default_rng(21)
+    query = rng.standard_normal(dim).astype(np.float32)
+    noise = 0.3 * rng.standard_normal((32, dim)).astype(np.float32)
+    near = (np.arange(32) % 3 == 0) & (np.arange(32) < 30)  # rows 0, 3, .., 27
+    x = np.where(near[:, None], query, -query) + noise
+    quantizer = TurboQuantizer(dim, bits, seed=7)
+    codes = quantizer.encode(x)
+    plan = quantizer.table("cpu").native_plan()
+    assert _fastscan.layout(plan) == two_stage
+    source = _fastscan.rows(codes.packed, codes.scales, None, plan)
+    rotated, _ = quantizer.rotate_queries(query[None])
+    values, rows, _, exact = _fastscan._native.search(plan.handle, source, rotated.numpy(), *_fastscan._NO_PROBE, 10,
+                                                      _fastscan.rescore_count(10), _fastscan.CONFIDENCE, 1, _fastscan.MAX_ISA)
+    assert exact.reshape(-1).tolist() == [10]
+    assert sorted(rows[0].tolist()) == list(range(0, 30, 3))
+    reference = scan._search_torch(rotated, quantizer.code_block(codes), quantizer.table("cpu"), 10, None)
+    _assert_same_results((reference[0].numpy(), reference[1].numpy()), (values, rows))
+
+
+@pytest.mark.parametrize("two_stage", ["signs", "high-pairs", "high-nibbles"])
+def test_two_stage_keeps_near_duplicates_of_the_query(monkeypatch, two_stage: str) -> None:
+    """Rows and queries all close to one vector (cosines 0.9-1): the first stage's estimate must be exact along the
+    row itself, as RaBitQ's is (a projection on the coarse code underestimates such rows by the coarse code's squared
+    error, about 5 bound widths at 2 bits, and drops true neighbours); the top 10 is the reference's."""
+    if not _fastscan.simd():
+        pytest.skip("this CPU has no AVX2 + FMA: no two-stage layout is built")
+    monkeypatch.setattr(_fastscan, "TWO_STAGE_MIN_CHANNELS", 1)
+    monkeypatch.setattr(_fastscan, "HIGH_PAIRS", two_stage == "high-pairs")
+    dim, bits = 384, 6 if two_stage == "high-nibbles" else 4
+    rng = np.random.default_rng(31)
+    base = rng.standard_normal(dim).astype(np.float32)
+    x = base + rng.uniform(0.1, 0.5, (2000, 1)).astype(np.float32) * rng.standard_normal((2000, dim)).astype(np.float32)
+    queries = base + 0.1 * rng.standard_normal((20, dim)).astype(np.float32)
+    quantizer = TurboQuantizer(dim, bits, seed=7)
+    codes = quantizer.encode(x)
+    plan = quantizer.table("cpu").native_plan()
+    assert _fastscan.layout(plan) == two_stage
+    rotated, _ = quantizer.rotate_queries(queries)
+    got = _fastscan.search(rotated.numpy(), _fastscan.rows(codes.packed, codes.scales, None, plan), plan, 10)
+    reference = scan._search_torch(rotated, quantizer.code_block(codes), quantizer.table("cpu"), 10, None)
+    _assert_same_results((reference[0].numpy(), reference[1].numpy()), got)
 
 
 def test_threads_do_not_change_results(kernel) -> None:

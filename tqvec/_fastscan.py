@@ -4,8 +4,9 @@ A packed row is read as a sequence of *steps* (:func:`plan`), each a code with i
 channel, two 2-bit or four 1-bit channels per nibble, one 3- to 8-bit channel per step (read across a byte
 boundary where it straddles one). With AVX2 + FMA the kernel scans a layout built once per index snapshot
 (:func:`layout`, ``docs/native.md``): for codes of at least :data:`TWO_STAGE_MIN_BITS` bits over at least
-:data:`TWO_STAGE_MIN_CHANNELS` channels, the rows' sign bits in blocks of 32 (one byte shuffle looks up 32 rows,
-64 with AVX-512 BW), then exact scores for the rows whose estimate plus :data:`CONFIDENCE` standard errors can
+:data:`TWO_STAGE_MIN_CHANNELS` channels, a coarse code of each row in blocks of 32 (one byte shuffle looks up 32
+rows, 64 with AVX-512 BW) — the high 2 bits of each channel's code for 3- and 4-bit codes (:data:`HIGH_PAIRS`),
+else its sign bits — then exact scores for the rows whose estimate plus :data:`CONFIDENCE` standard errors can
 reach the k-th best; for wider codes (5 to 8 bits, one channel per step) the same two stages with each
 channel's high nibble first (:data:`HIGH_NIBBLES`); for other codes of at most 4 bits per step, the codes
 themselves in such blocks with 8-bit tables, the best ``rescore`` rows by that estimate re-scored exactly
@@ -57,6 +58,9 @@ CONFIDENCE = 3.0
 #: codes with a step wider than 4 bits, one channel per step, are scanned in two stages, their high nibbles
 #: first (the estimate of a 4-bit code, whose error bound is far tighter than the signs')
 HIGH_NIBBLES = True
+#: 3- and 4-bit codes, one channel per step, scanned in two stages start from the high 2 bits of each code (two
+#: channels per nibble) instead of its sign: twice the first stage's bytes, a bound about half as wide
+HIGH_PAIRS = True
 
 
 def set_cpu_kernel(kernel: str) -> None:
@@ -128,7 +132,7 @@ class Plan:
 
     @functools.cached_property
     def single_channel(self) -> bool:
-        """True when each channel is read by one step of its own, of 3 to 8 bits (what the high-nibble layout reads)."""
+        """True when each channel is read by one step of its own, of 3 to 8 bits (what the high-bit layouts read)."""
         first, rest = self.channel[:, 0], self.channel[:, 1:]
         return bool(len(first) and np.all(first >= 0) and np.all(rest == -1) and np.all(self.width >= 3)
                     and np.array_equal(np.sort(first), np.arange(len(first))))
@@ -212,15 +216,15 @@ def _array(t: torch.Tensor | None, dtype: type) -> np.ndarray:
 
 def layout(steps: Plan, lists: Lists | None = None) -> str:
     """The layout :func:`rows` builds for codes read by ``steps`` on this CPU: ``"high-nibbles"`` (the two-stage
-    scan of wide codes, :data:`HIGH_NIBBLES`: some step wider than 4 bits, one channel per step), ``"signs"`` (the
-    two-stage scan, for codes of at least :data:`TWO_STAGE_MIN_BITS` bits per channel and
-    :data:`TWO_STAGE_MIN_CHANNELS` channels), ``"nibbles"`` (the one-stage fast scan, every step of at most 4 bits);
-    else, for the exact kernel, ``"lists"`` (the rows copied in list order, when there are ``lists``) or ``""``
-    (none)."""
+    scan of wide codes, :data:`HIGH_NIBBLES`: some step wider than 4 bits, one channel per step), for codes of at
+    least :data:`TWO_STAGE_MIN_BITS` bits per channel and :data:`TWO_STAGE_MIN_CHANNELS` channels the two-stage scan
+    from ``"high-pairs"`` (:data:`HIGH_PAIRS`: 3- or 4-bit codes, one channel per step) or else ``"signs"``,
+    ``"nibbles"`` (the one-stage fast scan, every step of at most 4 bits); else, for the exact kernel, ``"lists"``
+    (the rows copied in list order, when there are ``lists``) or ``""`` (none)."""
     if simd() and HIGH_NIBBLES and not steps.narrow and steps.single_channel:
         return "high-nibbles"
     if simd() and steps.bits_per_channel >= TWO_STAGE_MIN_BITS and steps.channels >= TWO_STAGE_MIN_CHANNELS:
-        return "signs"
+        return "high-pairs" if HIGH_PAIRS and steps.single_channel else "signs"
     if simd() and steps.narrow:
         return "nibbles"
     return "lists" if lists is not None else ""
@@ -257,7 +261,7 @@ def search(queries: np.ndarray, source: _native.Rows, steps: Plan, k: int,
     ``(values (nq, k) float32, rows (nq, k) int64)`` numpy arrays, best first, ``-inf`` / −1 padding.
     """
     probe, constant = (probes.lists, probes.constant) if probes is not None else _NO_PROBE
-    values, found, _ = _native.search(steps.handle, source, np.ascontiguousarray(queries, np.float32), probe, constant,
+    values, found, _, _ = _native.search(steps.handle, source, np.ascontiguousarray(queries, np.float32), probe, constant,
                                       int(k), rescore_count(k), CONFIDENCE, max(1, torch.get_num_threads()), MAX_ISA)
     return values, found
 
