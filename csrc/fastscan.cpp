@@ -701,29 +701,52 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) float exact_dot_avx512(cons
   return runs + exact_dot(steps, lut, row);
 }
 
-// Scores the rows of `lanes` (n of them) of sign block `b` exactly for query `j` of the item (two-stage scan),
-// their codes fetched (prefetched together first) from the slot-ordered copy, or where there is none (one group in
-// row order) from the stored rows, and offers them to `best`.
-__attribute__((target("avx2,fma"))) inline void refine(const SearchArgs& a, const SimdSource& src, int64_t b,
-                                                     const int* lanes, int n, int64_t j, const float* query, float constant,
-                                                     BestRows& best, bool avx512) {
+// Rows of one sign block that one query of a work item scores exactly (two-stage scan): lanes[0 .. n) of block b, in
+// the group whose constant is `constant`. Their codes come from the slot-ordered copy, or where there is none (one
+// group in row order) from the stored rows.
+struct Refinement {
+  int64_t b, j;
+  float constant;
+  int n;
+  int lanes[kRowsPerBlock];
+};
+
+inline const uint8_t* refined_row(const SearchArgs& a, int64_t slot) {
   const SignBlocks& signs = *a.signs;
-  const int64_t row_bytes = a.rows.row_bytes;
-  const uint8_t* rows[kRowsPerBlock];  // the slot-ordered copy (lists), or the stored rows (one group: no copy)
-  for (int i = 0; i < n; ++i) {
-    const int64_t slot = b * kRowsPerBlock + lanes[i];
-    rows[i] = signs.codes ? signs.codes + slot * row_bytes : a.rows.packed + signs.blocks.rows[slot] * row_bytes;
-    for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(rows[i] + line);
+  return signs.codes ? signs.codes + slot * a.rows.row_bytes : a.rows.packed + signs.blocks.rows[slot] * a.rows.row_bytes;
+}
+
+// Starts loading the codes of the rows of `r` (scored a block later, when they have arrived). An asm statement:
+// GCC 12 compiled __builtin_prefetch / _mm_prefetch here to nothing.
+__attribute__((target("avx2,fma"))) inline void prefetch_rows(const SearchArgs& a, const Refinement& r) {
+  for (int i = 0; i < r.n; ++i) {
+    const char* row = reinterpret_cast<const char*>(refined_row(a, r.b * kRowsPerBlock + r.lanes[i]));
+    for (int64_t line = 0; line < a.rows.row_bytes; line += 64) asm volatile("prefetcht0 %0" : : "m"(row[line]));
   }
-  const float* lut = src.exact_luts + j * src.exact_entries;
-  best.exact += n;
-  for (int i = 0; i < n; ++i) {
-    const int64_t slot = b * kRowsPerBlock + lanes[i];
-    const uint8_t* row = rows[i];
+}
+
+// Scores the rows of `r` exactly for its query (rotated `query`) and offers them to `best`.
+__attribute__((target("avx2,fma"))) inline void refine(const SearchArgs& a, const SimdSource& src, const Refinement& r,
+                                                     const float* query, BestRows& best, bool avx512) {
+  const SignBlocks& signs = *a.signs;
+  const float* lut = src.exact_luts + r.j * src.exact_entries;
+  best.exact += r.n;
+  for (int i = 0; i < r.n; ++i) {
+    const int64_t slot = r.b * kRowsPerBlock + r.lanes[i];
+    const uint8_t* row = refined_row(a, slot);
     const float dot = avx512 ? exact_dot_avx512(*src.exact, lut, a.plan.level, query, row)
                              : exact_dot_avx2(*src.exact, lut, a.plan.level, query, row);
-    best.push(signs.scale[slot] * dot + signs.blocks.bias[slot] + constant, signs.blocks.rows[slot], constant);
+    best.push(signs.scale[slot] * dot + signs.blocks.bias[slot] + r.constant, signs.blocks.rows[slot], r.constant);
   }
+}
+
+// Scores the waiting refinements of work item `w`, then makes the arriving ones wait.
+__attribute__((target("avx2,fma"))) inline void refine_all(const SearchArgs& a, const SimdSource& src, const Work& w,
+                                                         std::vector<Refinement>& waiting, std::vector<Refinement>& arriving,
+                                                         std::vector<BestRows>& best, bool avx512) {
+  for (const Refinement& r : waiting) refine(a, src, r, a.queries + (w.query + r.j) * a.dim, best[r.j], avx512);
+  waiting.swap(arriving);
+  arriving.clear();
 }
 
 // The `capacity` largest lower bounds seen so far (a min-heap): while it is full, a row whose upper bound is below
@@ -754,7 +777,8 @@ class LowerBounds {
 // with its 8-bit estimate. Two stages: a row's estimate plus or minus confidence * |q| * slack plus the tables'
 // rounding bound brackets its score; the row is scored exactly (and enters `best` with that score) when its upper
 // end beats the query's k-th exact score and reaches the k-th largest lower end of the rows scanned (LowerBounds:
-// so the first rows scanned are not all scored exactly while `best` fills).
+// so the first rows scanned are not all scored exactly while `best` fills). Exact scores wait one block: a block's
+// rows to score are prefetched, and scored after the next block's first stage, when their codes have arrived.
 __attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Work& w, const float* luts,
                                                    std::vector<BestRows>& best, const SimdSource& src, bool avx512) {
   const Blocks& blocks = *src.blocks;
@@ -774,7 +798,9 @@ __attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Wo
   }
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
   alignas(32) float score[8];
-  int lanes[kRowsPerBlock];
+  std::vector<Refinement> waiting, arriving;  // exact scores of the previous block's rows, and of this block's
+  waiting.reserve(two_stage ? static_cast<size_t>(group) : 0);
+  arriving.reserve(two_stage ? static_cast<size_t>(group) : 0);
   __m256i sums[4];
   for (const GroupSpan& s : spans_of(a, w, blocks.group_blocks)) {
     const __m256 constant = _mm256_set1_ps(s.constant);
@@ -808,7 +834,7 @@ __attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Wo
         }
         const __m256 threshold = _mm256_set1_ps(best[j].threshold());
         const __m256 reachable = _mm256_set1_ps(two_stage ? floor[j].threshold() : kNegInf);
-        int n_passing = 0;
+        Refinement r{b, j, s.constant, 0, {}};
         for (int g = 0; g < 4; ++g) {
           int passing = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(value[g], threshold, _CMP_GT_OQ),
                                                          _mm256_cmp_ps(value[g], reachable, _CMP_GE_OQ)));
@@ -818,16 +844,21 @@ __attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Wo
             const int i = __builtin_ctz(passing);
             passing &= passing - 1;
             if (two_stage) {
-              lanes[n_passing++] = 8 * g + i;
+              r.lanes[r.n++] = 8 * g + i;
             } else {
               best[j].push(score[i], ids[8 * g + i], s.constant);
             }
           }
         }
-        if (n_passing) refine(a, src, b, lanes, n_passing, j, a.queries + (w.query + j) * a.dim, s.constant, best[j], avx512);
+        if (r.n) {
+          prefetch_rows(a, r);
+          arriving.push_back(r);
+        }
       }
+      if (two_stage) refine_all(a, src, w, waiting, arriving, best, avx512);
     }
   }
+  if (two_stage) refine_all(a, src, w, waiting, arriving, best, avx512);
 }
 #endif  // TQVEC_X86
 

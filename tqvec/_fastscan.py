@@ -60,7 +60,7 @@ CONFIDENCE = 3.0
 HIGH_NIBBLES = True
 #: 3- and 4-bit codes, one channel per step, scanned in two stages start from the high 2 bits of each code (two
 #: channels per nibble) instead of its sign: twice the first stage's bytes, a bound about half as wide
-HIGH_PAIRS = True
+HIGH_PAIRS = False
 
 
 def set_cpu_kernel(kernel: str) -> None:
