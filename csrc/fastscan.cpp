@@ -261,6 +261,7 @@ struct Work {
 struct GroupSpan {
   int64_t lo, hi;  // positions in the groups' row order (exact kernel) or blocks (SIMD kernel)
   float constant;
+  int64_t group;
 };
 
 // The spans work item `w` scans; `offsets` are the groups' row offsets or block offsets.
@@ -276,7 +277,7 @@ std::vector<GroupSpan> spans_of(const SearchArgs& a, const Work& w, const int64_
       hi = std::min(hi, w.part_end);
     }
     const float constant = g.probe_constant ? g.probe_constant[w.query * g.n_probe + p] : 0.0f;
-    if (hi > lo) spans.push_back({lo, hi, constant});
+    if (hi > lo) spans.push_back({lo, hi, constant, group});
   }
   return spans;
 }
@@ -749,6 +750,23 @@ __attribute__((target("avx2,fma"))) inline void refine_all(const SearchArgs& a, 
   arriving.clear();
 }
 
+// |x - y|^2 for (n,) vectors, 8 lanes at a time.
+__attribute__((target("avx2,fma"))) inline float squared_distance_avx2(const float* x, const float* y, int64_t n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 d0 = _mm256_sub_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i));
+    const __m256 d1 = _mm256_sub_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(y + i + 8));
+    s0 = _mm256_fmadd_ps(d0, d0, s0);
+    s1 = _mm256_fmadd_ps(d1, d1, s1);
+  }
+  alignas(32) float part[8];
+  _mm256_store_ps(part, _mm256_add_ps(s0, s1));
+  float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+  for (; i < n; ++i) sum += (x[i] - y[i]) * (x[i] - y[i]);
+  return sum;
+}
+
 // The `capacity` largest lower bounds seen so far (a min-heap): while it is full, a row whose upper bound is below
 // its smallest cannot be among the best `capacity` (that many rows score at least their lower bounds, above it).
 class LowerBounds {
@@ -802,13 +820,28 @@ __attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Wo
   waiting.reserve(two_stage ? static_cast<size_t>(group) : 0);
   arriving.reserve(two_stage ? static_cast<size_t>(group) : 0);
   __m256i sums[4];
+  const float* reference = two_stage ? a.signs->reference : nullptr;
+  // per query, the span's reach: confidence * |q|, or * |q - r_g| where that is smaller (then its estimates are
+  // shifted by their error at r_g): both bound the estimate's error
+  std::vector<float> span_reach(static_cast<size_t>(group));
+  std::vector<char> shifted(static_cast<size_t>(group), 0);
   for (const GroupSpan& s : spans_of(a, w, blocks.group_blocks)) {
     const __m256 constant = _mm256_set1_ps(s.constant);
+    for (int64_t j = 0; two_stage && j < group; ++j) {
+      span_reach[j] = reach[j];
+      if (!reference) continue;
+      const float* q = a.queries + (w.query + j) * a.dim;
+      // the estimate's error ignores the channels past the first stage's
+      const float near = a.confidence * std::sqrt(squared_distance_avx2(q, reference + s.group * a.signs->channels, a.signs->channels));
+      shifted[j] = near < reach[j];
+      if (shifted[j]) span_reach[j] = near;
+    }
     for (int64_t b = s.lo; b < s.hi; ++b) {
       const uint8_t* codes = blocks.codes + b * block_bytes;
       const float* scale = blocks.scale + b * kRowsPerBlock;
       const float* bias = blocks.bias + b * kRowsPerBlock;
       const float* slack = two_stage ? src.slack + b * kRowsPerBlock : nullptr;
+      const float* error = reference ? a.signs->reference_error + b * kRowsPerBlock : nullptr;
       const int64_t* ids = blocks.rows + b * kRowsPerBlock;
       for (int64_t j = 0; j < group; ++j) {
         if (avx512) {
@@ -823,7 +856,8 @@ __attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Wo
           const __m256 gain = _mm256_loadu_ps(scale + 8 * g);
           value[g] = _mm256_add_ps(_mm256_fmadd_ps(dot, gain, _mm256_loadu_ps(bias + 8 * g)), constant);
           if (!two_stage) continue;
-          const __m256 bound = _mm256_fmadd_ps(_mm256_loadu_ps(slack + 8 * g), _mm256_set1_ps(reach[j]),
+          if (error && shifted[j]) value[g] = _mm256_add_ps(value[g], _mm256_loadu_ps(error + 8 * g));
+          const __m256 bound = _mm256_fmadd_ps(_mm256_loadu_ps(slack + 8 * g), _mm256_set1_ps(span_reach[j]),
                                                _mm256_mul_ps(_mm256_andnot_ps(sign_bit, gain), _mm256_set1_ps(rounding[j])));
           const __m256 lower = _mm256_sub_ps(value[g], bound);
           value[g] = _mm256_add_ps(value[g], bound);  // the upper end
@@ -956,7 +990,9 @@ Plan SignStore::plan() const {
   return {static_cast<int>(byte.size()), byte.data(), shift.data(), width.data(), channel.data(), offset.data(), level.data()};
 }
 
-size_t SignStore::nbytes() const { return blocks.nbytes() + sizeof(float) * (slack.size() + scale.size()) + codes.size(); }
+size_t SignStore::nbytes() const {
+  return blocks.nbytes() + sizeof(float) * (slack.size() + scale.size() + reference_error.size() + reference.size()) + codes.size();
+}
 
 namespace {
 
@@ -981,28 +1017,46 @@ void decode_levels(const Plan& plan, const uint8_t* row, float* o) {
 // coarse_bytes per row) out in blocks with their gains, and per slot the slack, the scale and, for rows taken through
 // list_rows (an inverted file's lists), a copy of the row in slot order (so a list's rows sit side by side).
 void fill_two_stage(SignStore& out, const Rows& rows, const std::vector<uint8_t>& coarse, int64_t coarse_bytes,
-                    const std::vector<float>& gain, const std::vector<float>& slack, const int64_t* offsets,
-                    const int64_t* list_rows, int64_t n_groups) {
+                    const std::vector<float>& gain, const std::vector<float>& slack, const std::vector<float>& error,
+                    const int64_t* offsets, const int64_t* list_rows, int64_t n_groups) {
   out.steps = plan_steps(out.plan());
   out.blocks = arrange({coarse.data(), rows.n, coarse_bytes, gain.data(), rows.bias}, offsets, list_rows, n_groups);
   const size_t slots = out.blocks.rows.size();
   out.slack.assign(slots, 0.0f);
   out.scale.assign(slots, 0.0f);
+  out.reference_error.assign(error.empty() ? 0 : slots, 0.0f);
   if (list_rows) out.codes.assign(slots * static_cast<size_t>(rows.row_bytes), 0);
   for (size_t lane = 0; lane < slots; ++lane) {
     const int64_t r = out.blocks.rows[lane];
     if (r < 0) continue;
     out.slack[lane] = slack[static_cast<size_t>(r)];
+    if (!error.empty()) out.reference_error[lane] = error[static_cast<size_t>(r)];
     out.scale[lane] = rows.scale ? rows.scale[r] : 1.0f;
     if (list_rows)
       std::memcpy(out.codes.data() + lane * rows.row_bytes, rows.packed + r * rows.row_bytes, static_cast<size_t>(rows.row_bytes));
   }
 }
 
+// Each row's group (offsets / list_rows as in `arrange`; -1 for a row in none), for the reference vectors.
+std::vector<int64_t> row_groups(int64_t n, const int64_t* offsets, const int64_t* list_rows, int64_t n_groups) {
+  std::vector<int64_t> group(static_cast<size_t>(n), -1);
+  for (int64_t g = 0; g < n_groups; ++g)
+    for (int64_t p = offsets[g]; p < offsets[g + 1]; ++p) group[static_cast<size_t>(list_rows ? list_rows[p] : p)] = g;
+  return group;
+}
+
+// <r, scale * o - gain * first> for the (channels,) vectors r, o and first (the first stage's levels of the row).
+float reference_error(const float* r, const std::vector<float>& o, const std::vector<float>& first, double scale,
+                      double gain) {
+  double sum = 0.0;
+  for (size_t c = 0; c < o.size(); ++c) sum += static_cast<double>(r[c]) * (scale * o[c] - gain * first[c]);
+  return static_cast<float>(sum);
+}
+
 }  // namespace
 
 SignStore arrange_signs(const Rows& rows, const Plan& plan, int64_t channels, const int64_t* offsets,
-                        const int64_t* list_rows, int64_t n_groups) {
+                        const int64_t* list_rows, int64_t n_groups, const float* reference) {
   SignStore out;
   const int64_t sign_bytes = (channels + 7) / 8, n_steps = (channels + 3) / 4;
   for (int64_t t = 0; t < n_steps; ++t) {  // step t: the nibble of channels 4t .. 4t + 3, level +1 where a bit is set
@@ -1019,6 +1073,8 @@ SignStore arrange_signs(const Rows& rows, const Plan& plan, int64_t channels, co
   out.offset.push_back(static_cast<int32_t>(kLut * n_steps));
   std::vector<uint8_t> signs(static_cast<size_t>(rows.n * sign_bytes), 0);
   std::vector<float> gain(static_cast<size_t>(rows.n)), slack(static_cast<size_t>(rows.n)), o(static_cast<size_t>(channels));
+  std::vector<float> s(static_cast<size_t>(channels)), error(reference ? static_cast<size_t>(rows.n) : 0);
+  const std::vector<int64_t> group = reference ? row_groups(rows.n, offsets, list_rows, n_groups) : std::vector<int64_t>();
   const double root_d = std::sqrt(static_cast<double>(channels)), root_d1 = std::sqrt(std::max<double>(1.0, channels - 1.0));
   for (int64_t r = 0; r < rows.n; ++r) {
     std::fill(o.begin(), o.end(), 0.0f);
@@ -1027,6 +1083,7 @@ SignStore arrange_signs(const Rows& rows, const Plan& plan, int64_t channels, co
     double l1 = 0.0, l2 = 0.0;
     for (int64_t c = 0; c < channels; ++c) {
       if (o[c] > 0.0f) sign[c / 8] |= static_cast<uint8_t>(1u << (c % 8));
+      s[c] = o[c] > 0.0f ? 1.0f : -1.0f;
       l1 += std::fabs(o[c]);
       l2 += static_cast<double>(o[c]) * o[c];
     }
@@ -1034,13 +1091,15 @@ SignStore arrange_signs(const Rows& rows, const Plan& plan, int64_t channels, co
     const double f = l1 > 0.0 ? l1 / (root_d * std::sqrt(l2)) : 1.0;  // cos(o, s)
     gain[r] = l1 > 0.0 ? static_cast<float>(scale * l2 / l1) : 0.0f;
     slack[r] = static_cast<float>(std::fabs(scale) * std::sqrt(l2) * std::sqrt(std::max(0.0, 1.0 - f * f)) / (f * root_d1));
+    if (reference && group[r] >= 0) error[r] = reference_error(reference + group[r] * channels, o, s, scale, gain[r]);
   }
-  fill_two_stage(out, rows, signs, sign_bytes, gain, slack, offsets, list_rows, n_groups);
+  fill_two_stage(out, rows, signs, sign_bytes, gain, slack, error, offsets, list_rows, n_groups);
+  if (reference) out.reference.assign(reference, reference + n_groups * channels);
   return out;
 }
 
 SignStore arrange_high_bits(const Rows& rows, const Plan& plan, int64_t channels, int kept, const int64_t* offsets,
-                            const int64_t* list_rows, int64_t n_groups) {
+                            const int64_t* list_rows, int64_t n_groups, const float* reference) {
   SignStore out;
   std::vector<int> step_of(static_cast<size_t>(channels), -1);
   for (int t = 0; t < plan.n_steps; ++t) step_of[plan.channel[t * kMaxStepChannels]] = t;
@@ -1073,6 +1132,8 @@ SignStore arrange_high_bits(const Rows& rows, const Plan& plan, int64_t channels
   std::vector<uint8_t> coarse_codes(static_cast<size_t>(rows.n * coarse_bytes), 0);
   std::vector<float> gain(static_cast<size_t>(rows.n)), slack(static_cast<size_t>(rows.n));
   std::vector<float> o(static_cast<size_t>(channels)), coarse(static_cast<size_t>(channels));
+  std::vector<float> error(reference ? static_cast<size_t>(rows.n) : 0);
+  const std::vector<int64_t> group = reference ? row_groups(rows.n, offsets, list_rows, n_groups) : std::vector<int64_t>();
   const double root_d1 = std::sqrt(std::max<double>(1.0, channels - 1.0));
   for (int64_t r = 0; r < rows.n; ++r) {
     const uint8_t* row = rows.packed + r * rows.row_bytes;
@@ -1092,8 +1153,10 @@ SignStore arrange_high_bits(const Rows& rows, const Plan& plan, int64_t channels
     const double scale = rows.scale ? rows.scale[r] : 1.0, f = oc > 0.0 ? oc / std::sqrt(oo * cc) : 1.0;  // cos(o, c)
     gain[r] = oc > 0.0 ? static_cast<float>(scale * oo / oc) : 0.0f;
     slack[r] = static_cast<float>(std::fabs(scale) * std::sqrt(oo) * std::sqrt(std::max(0.0, 1.0 - f * f)) / (f * root_d1));
+    if (reference && group[r] >= 0) error[r] = reference_error(reference + group[r] * channels, o, coarse, scale, gain[r]);
   }
-  fill_two_stage(out, rows, coarse_codes, coarse_bytes, gain, slack, offsets, list_rows, n_groups);
+  fill_two_stage(out, rows, coarse_codes, coarse_bytes, gain, slack, error, offsets, list_rows, n_groups);
+  if (reference) out.reference.assign(reference, reference + n_groups * channels);
   return out;
 }
 

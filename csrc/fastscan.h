@@ -119,6 +119,10 @@ ListOrder arrange_lists(const Rows& rows, const int64_t* list_rows, int64_t posi
 struct SignStore {
   BlockStore blocks;         // codes: ceil(D / 8) sign bytes per row; scale: gain; bias: bias
   std::vector<float> slack;  // per slot, in the blocks' lane order (0 for empty slots)
+  // With reference vectors r_g (one per group, see arrange_signs): per slot the first stage's exact error at r_g of
+  // its row's group, <r_g, scale * o - gain * s>, added to the estimate (else empty)
+  std::vector<float> reference_error;
+  std::vector<float> reference;  // (groups, D) the reference vectors, or empty
   std::vector<float> scale;  // scale_r per slot, in lane order (0 for empty slots)
   std::vector<uint8_t> codes;  // (slots, row_bytes): each slot's row, in lane order (lists only; else empty)
   std::vector<int32_t> byte, shift, width, channel, offset;  // the plan that reads the sign bytes (levels +-1)
@@ -134,14 +138,21 @@ struct SignBlocks {
   Blocks blocks;
   const float* slack;
   const float* scale;
+  const float* reference_error;  // SignStore::reference_error, or null (no reference vectors)
+  const float* reference;        // SignStore::reference (groups, channels), or null
+  int64_t channels;              // the channels the first stage reads (a reference vector's length)
   const uint8_t* codes;  // each slot's row (SignStore::codes), or null: the search's rows, by row number
   Plan plan;
   const PlanSteps* steps;  // of plan
 };
 
-// The sign layout of `rows` read by `plan` (channels [0, channels)), grouped as in `arrange`.
+// The sign layout of `rows` read by `plan` (channels [0, channels)), grouped as in `arrange`. With `reference`
+// ((n_groups, channels), or null; each row in one group): the estimate's error is linear in the query,
+// e(q) = <q, scale * o - gain * s>, so e(q) = e(r_g) + e(q - r_g); e(r_g) is computed here, and where
+// |q - r_g| < |q| the search adds it to the row's estimate and bounds e(q - r_g) with |q - r_g| instead of e(q) with
+// |q| (RaBitQ's use of the list centroid: a query near its probed lists' centroids gets a tighter bound).
 SignStore arrange_signs(const Rows& rows, const Plan& plan, int64_t channels, const int64_t* offsets,
-                        const int64_t* list_rows, int64_t n_groups);
+                        const int64_t* list_rows, int64_t n_groups, const float* reference = nullptr);
 
 // The two-stage layout of codes read one channel per step (`plan`: 3 to 8 bits, channels 0 .. channels - 1) whose first
 // stage reads the high `kept` bits of each channel's code (code >> (width - kept); kept = 4: a nibble per channel,
@@ -150,7 +161,7 @@ SignStore arrange_signs(const Rows& rows, const Plan& plan, int64_t channels, co
 // gain * <q, c>, gain = scale_r * |o|^2 / <o, c> (exact for q along o, as the sign layout's), and the slack
 // |scale_r| * |o| * sqrt(1 - f^2) / (f * sqrt(D - 1)): the sign layout's estimator and bound with c for s.
 SignStore arrange_high_bits(const Rows& rows, const Plan& plan, int64_t channels, int kept, const int64_t* offsets,
-                            const int64_t* list_rows, int64_t n_groups);
+                            const int64_t* list_rows, int64_t n_groups, const float* reference = nullptr);
 
 struct SearchArgs {
   Plan plan;

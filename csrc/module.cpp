@@ -98,12 +98,13 @@ class PlanHandle {
 // grouped by offsets (and list_rows, each in [0, n)), plus a layout for the SIMD kernels: "nibbles" (the
 // fast-scan layout of the codes), "signs", "high-pairs" or "high-nibbles" (the two-stage scan's layouts: sign bits,
 // the high 2 or the high 4 bits of each channel's code), or for the exact kernel "lists" (the rows copied in list
-// order) or "" (none).
+// order) or "" (none). `reference` (groups, channels) or empty: one vector per group that the two-stage layouts
+// bound their estimates around (tqvec::arrange_signs), copied.
 // Holds references to the arrays, which must not change while it lives.
 class RowsHandle {
  public:
   RowsHandle(Array<uint8_t, nb::ndim<2>> packed, Array<float> scale, Array<float> bias, Array<int64_t, nb::ndim<1>> offsets,
-             Array<int64_t> list_rows, const PlanHandle& plan, const std::string& layout)
+             Array<int64_t> list_rows, const PlanHandle& plan, const std::string& layout, Array<float> reference)
       : packed_(packed), scale_(scale), bias_(bias), offsets_(offsets), list_rows_(list_rows) {
     const bool high_bits = layout == "high-pairs" || layout == "high-nibbles";
     require(layout.empty() || layout == "nibbles" || layout == "signs" || high_bits || layout == "lists",
@@ -120,6 +121,8 @@ class RowsHandle {
     require(off[n_groups] <= (list_rows.size() ? static_cast<int64_t>(list_rows.size()) : n), "offsets reach past the rows");
     for (size_t i = 0; i < list_rows.size(); ++i)
       require(list_rows.data()[i] >= 0 && list_rows.data()[i] < n, "a list row lies outside the rows");
+    require(reference.size() == 0 || reference.size() == static_cast<size_t>(n_groups * (plan.last_channel() + 1)),
+            "reference must hold one vector of the plan's channels per group");
     rows_ = {packed.data(), n, static_cast<int64_t>(packed.shape(1)), optional_data(scale), optional_data(bias)};
     groups_ = {off, optional_data(list_rows), n_groups, nullptr, nullptr, 1};
     nb::gil_scoped_release release;
@@ -128,12 +131,14 @@ class RowsHandle {
       layout_ = blocks_->view();
     } else if (layout == "signs" || high_bits) {
       channels_ = plan.last_channel() + 1;
-      signs_ = layout == "signs" ? tqvec::arrange_signs(rows_, plan.view(), channels_, off, groups_.list_rows, n_groups)
+      const float* ref = optional_data(reference);
+      signs_ = layout == "signs" ? tqvec::arrange_signs(rows_, plan.view(), channels_, off, groups_.list_rows, n_groups, ref)
                                  : tqvec::arrange_high_bits(rows_, plan.view(), channels_, layout == "high-pairs" ? 2 : 4, off,
-                                                            groups_.list_rows, n_groups);
+                                                            groups_.list_rows, n_groups, ref);
+      const bool referenced = !signs_->reference.empty();
       sign_view_ = {signs_->blocks.view(), signs_->slack.data(), signs_->scale.data(),
-                    signs_->codes.empty() ? nullptr : signs_->codes.data(), signs_->plan(),
-                    signs_->steps.get()};
+                    referenced ? signs_->reference_error.data() : nullptr, referenced ? signs_->reference.data() : nullptr,
+                    channels_, signs_->codes.empty() ? nullptr : signs_->codes.data(), signs_->plan(), signs_->steps.get()};
     } else if (layout == "lists" && groups_.list_rows) {
       ordered_ = tqvec::arrange_lists(rows_, groups_.list_rows, off[n_groups]);
       ordered_view_ = ordered_->view();
@@ -409,9 +414,9 @@ NB_MODULE(_native, m) {
            nb::arg("byte"), nb::arg("shift"), nb::arg("width"), nb::arg("channel"), nb::arg("offset"), nb::arg("level"));
   nb::class_<RowsHandle>(m, "Rows", "Rows to search: codes, side fields, groups and their fast-scan layout.")
       .def(nb::init<Array<uint8_t, nb::ndim<2>>, Array<float>, Array<float>, Array<int64_t, nb::ndim<1>>, Array<int64_t>,
-                    const PlanHandle&, const std::string&>(),
+                    const PlanHandle&, const std::string&, Array<float>>(),
            nb::arg("packed"), nb::arg("scale"), nb::arg("bias"), nb::arg("offsets"), nb::arg("list_rows"), nb::arg("plan"),
-           nb::arg("layout"))
+           nb::arg("layout"), nb::arg("reference"))
       .def_prop_ro("layout_nbytes", &RowsHandle::layout_nbytes, "Bytes of the fast-scan layout (0 when not arranged).");
   m.def("search", &search, nb::arg("plan"), nb::arg("rows"), nb::arg("queries"), nb::arg("probe"), nb::arg("probe_constant"),
         nb::arg("k"), nb::arg("rescore"), nb::arg("confidence"), nb::arg("threads"), nb::arg("max_isa"));

@@ -224,6 +224,46 @@ def test_two_stage_keeps_near_duplicates_of_the_query(monkeypatch, two_stage: st
     _assert_same_results((reference[0].numpy(), reference[1].numpy()), got)
 
 
+@pytest.mark.parametrize("two_stage", ["signs", "high-pairs", "high-nibbles"])
+def test_reference_vectors_tighten_the_first_stage(monkeypatch, two_stage: str) -> None:
+    """Four lists of residual codes around far-apart centroids, queries near one of them: bounding each estimate
+    around its list's centroid (|q − c| for |q| where smaller, the estimate shifted by its exact error at c) scores
+    fewer rows exactly (without the shift the answer is wrong; with |q| alone, more rows are scored), and the answer
+    stays the reference's."""
+    if not _fastscan.simd():
+        pytest.skip("this CPU has no AVX2 + FMA: no two-stage layout is built")
+    monkeypatch.setattr(_fastscan, "TWO_STAGE_MIN_CHANNELS", 1)
+    monkeypatch.setattr(_fastscan, "HIGH_PAIRS", two_stage == "high-pairs")
+    dim, bits, per_list = 256, 6 if two_stage == "high-nibbles" else 4, 500
+    rng = np.random.default_rng(41)
+    centers = 4.0 * rng.standard_normal((4, dim)).astype(np.float32)
+    x = np.repeat(centers, per_list, axis=0) + rng.standard_normal((4 * per_list, dim)).astype(np.float32)
+    queries = centers[np.arange(12) % 4] + rng.standard_normal((12, dim)).astype(np.float32)
+    quantizer = TurboQuantizer(dim, bits, seed=7)
+    codes = quantizer.encode(x - np.repeat(centers, per_list, axis=0))  # residual codes, as an inverted file stores
+    plan = quantizer.table("cpu").native_plan()
+    rotated, _ = quantizer.rotate_queries(queries)
+    rotated_centers, _ = quantizer.rotate_queries(centers)
+    offsets, members = np.arange(0, 4 * per_list + 1, per_list, dtype=np.int64), np.arange(4 * per_list, dtype=np.int64)
+    closeness = (rotated @ rotated_centers.T).numpy().astype(np.float32)  # <q, c_l>: the residual codes' list constant
+    probe = np.argsort(-closeness, axis=1, kind="stable").astype(np.int64)  # every list, nearest first (as IVF probes)
+    constant = np.take_along_axis(closeness, probe, 1)
+    found = {}
+    for name, reference in (("none", None), ("centroids", rotated_centers.numpy())):
+        lists = _fastscan.Lists(offsets, members, reference)
+        source = _fastscan.rows(codes.packed, codes.scales, None, plan, lists)
+        values, rows, _, exact = _fastscan._native.search(plan.handle, source, rotated.numpy(), probe, constant, 10,
+                                                          _fastscan.rescore_count(10), _fastscan.CONFIDENCE, 1,
+                                                          _fastscan.MAX_ISA)
+        found[name] = (values, rows, int(exact.sum()))
+    assert found["centroids"][2] < 0.8 * found["none"][2], (found["centroids"][2], found["none"][2])
+    for q in range(12):  # the reference: every row's exact score plus its list's constant for this query
+        bias = torch.from_numpy(np.repeat(closeness[q], per_list))
+        values, rows = scan._search_torch(rotated[q:q + 1], quantizer.code_block(codes, bias), quantizer.table("cpu"),
+                                          10, None)
+        _assert_same_results((values.numpy(), rows.numpy()), (found["centroids"][0][q:q + 1], found["centroids"][1][q:q + 1]))
+
+
 def test_threads_do_not_change_results(kernel) -> None:
     """One query on four threads splits its rows (flat) or its lists (IVF) across them; three queries batch."""
     x, q = _data(20000, 32, seed=10), _data(3, 32, seed=11)

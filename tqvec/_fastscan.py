@@ -185,10 +185,13 @@ def plan(layout: Layout, levels: torch.Tensor) -> Plan:
 
 @dataclass(frozen=True)
 class Lists:
-    """Inverted lists over the rows of one code block: list ``l`` holds rows ``rows[offsets[l]:offsets[l + 1]]``."""
+    """Inverted lists over the rows of one code block: list ``l`` holds rows ``rows[offsets[l]:offsets[l + 1]]``;
+    ``reference`` ``(nlist, D)`` float32 (optional): a rotated vector per list near which its queries fall (its
+    centroid), around which the two-stage layouts bound their first-stage estimates (``docs/native.md``)."""
 
     offsets: np.ndarray  # (nlist + 1,) int64
     rows: np.ndarray  # (total,) int64, each in [0, n)
+    reference: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -248,8 +251,10 @@ def rows(packed: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | 
         raise RuntimeError("the native CPU kernel is not built: reinstall tqvec with a C++17 compiler present")
     chosen = layout(steps, lists)
     lists = lists or Lists(np.array([0, packed.shape[0]], np.int64), _NONE[np.dtype(np.int64)])
+    reference = (_NONE[np.dtype(np.float32)] if lists.reference is None
+                 else np.ascontiguousarray(lists.reference[:, :steps.channels], np.float32))
     return _native.Rows(_array(packed, np.uint8), _array(scale, np.float32), _array(bias, np.float32), lists.offsets,
-                        lists.rows, steps.handle, chosen)
+                        lists.rows, steps.handle, chosen, reference)
 
 
 def search(queries: np.ndarray, source: _native.Rows, steps: Plan, k: int,

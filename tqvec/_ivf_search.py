@@ -42,7 +42,8 @@ def search_torch(index: IVFIndex, q: torch.Tensor, k: int, nprobe: int,
     whole = index._scan_block(snap)
     if scan.native_serves(rotated, whole, index.quantizer.table(index.device)):
         probes = _fastscan.Probes(probe.cpu().numpy(), constant.cpu().numpy())
-        values, rows = scan.search_lists(rotated, whole, index.quantizer.table(index.device), depth, snap.list_table, probes)
+        values, rows = scan.search_lists(rotated, whole, index.quantizer.table(index.device), depth,
+                                         index._native_lists(snap), probes)
     elif nq == 1 or nq * GATHER_RATIO <= len(torch.unique(probe)):
         values, rows = search_gather(index, snap, rotated, projected, probe, constant, depth)
     else:

@@ -293,8 +293,9 @@ class ListSnapshot:
     ids: np.ndarray  # (size,) int64
     lists: tuple[torch.Tensor, ...]  # nlist × (n_l,) int32 row numbers
     size: int
-    #: what searches derive from this snapshot, built once: "block" (the scan's view of all rows)
-    cache: dict[str, scan.CodeBlock] = field(default_factory=dict, compare=False, repr=False)
+    #: what searches derive from this snapshot, built once: "block" (the scan's view of all rows), "lists" (the
+    #: native scan's lists with their reference vectors, and the centroids they came from)
+    cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @functools.cached_property
     def list_table(self) -> _fastscan.Lists:

@@ -37,6 +37,7 @@ writes atomically through :mod:`tqvec.storage` with kind ``"tqvec.IVFIndex"``).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from typing import Any
@@ -374,6 +375,16 @@ class IVFIndex(CodedRows):
             snap.cache["block"] = self.quantizer.code_block(self._codes(coded), bias)
         return snap.cache["block"]
 
+    def _native_lists(self, snap: ListSnapshot) -> _fastscan.Lists:
+        """``snap``'s lists for the native scan, with the rotated centroids as the lists' reference vectors (their
+        two-stage estimates are bounded around them), built once per snapshot and centroids."""
+        cached = snap.cache.get("lists")
+        if cached is None or cached[0] is not self.centroids:
+            rotated, _ = self.quantizer.rotate_checked(self.centroids.float())
+            lists = dataclasses.replace(snap.list_table, reference=rotated.cpu().numpy())
+            cached = snap.cache["lists"] = (self.centroids, lists)
+        return cached[1]
+
     def _search_native(self, snap: ListSnapshot, x: np.ndarray, k: int, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`search` of CPU queries ``x`` ``(nq, dim)`` (shape and dtype validated) over the rows of ``snap``
         (non-empty, of a trained index), in one native call (:func:`tqvec.scan.search_queries`: checking the values,
@@ -385,7 +396,7 @@ class IVFIndex(CodedRows):
                                         by_ip=self.metric == "ip", residual=self.encoding == "residual", base=base)
             cached = self._query_prep = (centroids, center, prep)
         return scan.search_queries(x, self._scan_block(snap), self.quantizer.table(self.device), cached[2], k,
-                                   snap.ids, self.metric == "l2", snap.list_table, nprobe)
+                                   snap.ids, self.metric == "l2", self._native_lists(snap), nprobe)
 
     # ------------------------------------------------------------------ persistence
     def _config(self) -> dict[str, Any]:
