@@ -48,6 +48,20 @@ def layout(request, monkeypatch) -> str:
     return request.param
 
 
+#: bits of the codes each two-stage layout reads
+_TWO_STAGE_BITS = {"signs": 4, "high-pairs": 4, "high-nibbles": 6}
+
+
+@pytest.fixture(params=list(_TWO_STAGE_BITS))
+def two_stage(request, monkeypatch) -> str:
+    """Each two-stage layout, for codes of any number of channels (and of _TWO_STAGE_BITS[layout] bits)."""
+    if not _fastscan.simd():
+        pytest.skip("this CPU has no AVX2 + FMA: no two-stage layout is built")
+    monkeypatch.setattr(_fastscan, "TWO_STAGE_MIN_CHANNELS", 1)
+    monkeypatch.setattr(_fastscan, "HIGH_PAIRS", request.param == "high-pairs")
+    return request.param
+
+
 def _assert_same_results(ref: tuple[np.ndarray, np.ndarray], got: tuple[np.ndarray, np.ndarray]) -> None:
     (d_ref, i_ref), (d_got, i_got) = ref, got
     finite = np.isfinite(d_ref)
@@ -171,16 +185,11 @@ def test_two_stage_layout_copies_codes_only_for_lists(monkeypatch) -> None:
         assert copied == (grouping is not None), (grouping, source.layout_nbytes, codes.packed.numel())
 
 
-@pytest.mark.parametrize("two_stage", ["signs", "high-pairs", "high-nibbles"])
-def test_two_stage_scores_exactly_only_rows_that_can_reach_the_top_k(monkeypatch, two_stage: str) -> None:
+def test_two_stage_scores_exactly_only_rows_that_can_reach_the_top_k(two_stage: str) -> None:
     """One block of 32 rows, 10 near the query and 22 near its opposite: before the top 10 has any exact score, the
     rows whose upper bound is below the 10th largest lower bound are skipped, so only the 10 near rows get an exact
     score (scoring all 32 fails this); the answer is the reference's."""
-    if not _fastscan.simd():
-        pytest.skip("this CPU has no AVX2 + FMA: no two-stage layout is built")
-    monkeypatch.setattr(_fastscan, "TWO_STAGE_MIN_CHANNELS", 1)
-    monkeypatch.setattr(_fastscan, "HIGH_PAIRS", two_stage == "high-pairs")
-    dim, bits = 256, 6 if two_stage == "high-nibbles" else 4
+    dim, bits = 256, _TWO_STAGE_BITS[two_stage]
     rng = np.random.default_rng(21)
     query = rng.standard_normal(dim).astype(np.float32)
     noise = 0.3 * rng.standard_normal((32, dim)).astype(np.float32)
@@ -200,16 +209,11 @@ def test_two_stage_scores_exactly_only_rows_that_can_reach_the_top_k(monkeypatch
     _assert_same_results((reference[0].numpy(), reference[1].numpy()), (values, rows))
 
 
-@pytest.mark.parametrize("two_stage", ["signs", "high-pairs", "high-nibbles"])
-def test_two_stage_keeps_near_duplicates_of_the_query(monkeypatch, two_stage: str) -> None:
+def test_two_stage_keeps_near_duplicates_of_the_query(two_stage: str) -> None:
     """Rows and queries all close to one vector (cosines 0.9-1): the first stage's estimate must be exact along the
     row itself, as RaBitQ's is (a projection on the coarse code underestimates such rows by the coarse code's squared
     error, about 5 bound widths at 2 bits, and drops true neighbours); the top 10 is the reference's."""
-    if not _fastscan.simd():
-        pytest.skip("this CPU has no AVX2 + FMA: no two-stage layout is built")
-    monkeypatch.setattr(_fastscan, "TWO_STAGE_MIN_CHANNELS", 1)
-    monkeypatch.setattr(_fastscan, "HIGH_PAIRS", two_stage == "high-pairs")
-    dim, bits = 384, 6 if two_stage == "high-nibbles" else 4
+    dim, bits = 384, _TWO_STAGE_BITS[two_stage]
     rng = np.random.default_rng(31)
     base = rng.standard_normal(dim).astype(np.float32)
     x = base + rng.uniform(0.1, 0.5, (2000, 1)).astype(np.float32) * rng.standard_normal((2000, dim)).astype(np.float32)
@@ -224,17 +228,12 @@ def test_two_stage_keeps_near_duplicates_of_the_query(monkeypatch, two_stage: st
     _assert_same_results((reference[0].numpy(), reference[1].numpy()), got)
 
 
-@pytest.mark.parametrize("two_stage", ["signs", "high-pairs", "high-nibbles"])
-def test_reference_vectors_tighten_the_first_stage(monkeypatch, two_stage: str) -> None:
+def test_reference_vectors_tighten_the_first_stage(two_stage: str) -> None:
     """Four lists of residual codes around far-apart centroids, queries near one of them: bounding each estimate
     around its list's centroid (|q − c| for |q| where smaller, the estimate shifted by its exact error at c) scores
     fewer rows exactly (without the shift the answer is wrong; with |q| alone, more rows are scored), and the answer
     stays the reference's."""
-    if not _fastscan.simd():
-        pytest.skip("this CPU has no AVX2 + FMA: no two-stage layout is built")
-    monkeypatch.setattr(_fastscan, "TWO_STAGE_MIN_CHANNELS", 1)
-    monkeypatch.setattr(_fastscan, "HIGH_PAIRS", two_stage == "high-pairs")
-    dim, bits, per_list = 256, 6 if two_stage == "high-nibbles" else 4, 500
+    dim, bits, per_list = 256, _TWO_STAGE_BITS[two_stage], 500
     rng = np.random.default_rng(41)
     centers = 4.0 * rng.standard_normal((4, dim)).astype(np.float32)
     x = np.repeat(centers, per_list, axis=0) + rng.standard_normal((4 * per_list, dim)).astype(np.float32)
