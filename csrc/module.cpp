@@ -130,15 +130,15 @@ class RowsHandle {
       blocks_ = tqvec::arrange(rows_, off, groups_.list_rows, n_groups);
       layout_ = blocks_->view();
     } else if (layout == "signs" || high_bits) {
-      channels_ = plan.last_channel() + 1;
+      const int64_t channels = plan.last_channel() + 1;
       const float* ref = optional_data(reference);
-      signs_ = layout == "signs" ? tqvec::arrange_signs(rows_, plan.view(), channels_, off, groups_.list_rows, n_groups, ref)
-                                 : tqvec::arrange_high_bits(rows_, plan.view(), channels_, layout == "high-pairs" ? 2 : 4, off,
+      signs_ = layout == "signs" ? tqvec::arrange_signs(rows_, plan.view(), channels, off, groups_.list_rows, n_groups, ref)
+                                 : tqvec::arrange_high_bits(rows_, plan.view(), channels, layout == "high-pairs" ? 2 : 4, off,
                                                             groups_.list_rows, n_groups, ref);
       const bool referenced = !signs_->reference.empty();
       sign_view_ = {signs_->blocks.view(), signs_->slack.data(), signs_->scale.data(),
                     referenced ? signs_->reference_error.data() : nullptr, referenced ? signs_->reference.data() : nullptr,
-                    channels_, signs_->codes.empty() ? nullptr : signs_->codes.data(), signs_->plan(), signs_->steps.get()};
+                    channels, signs_->codes.empty() ? nullptr : signs_->codes.data(), signs_->plan(), signs_->steps.get()};
     } else if (layout == "lists" && groups_.list_rows) {
       ordered_ = tqvec::arrange_lists(rows_, groups_.list_rows, off[n_groups]);
       ordered_view_ = ordered_->view();
@@ -150,7 +150,6 @@ class RowsHandle {
   const tqvec::Blocks* layout() const { return blocks_ ? &layout_ : nullptr; }
   const tqvec::SignBlocks* signs() const { return signs_ ? &sign_view_ : nullptr; }
   const tqvec::Rows* ordered() const { return ordered_ ? &ordered_view_ : nullptr; }
-  int64_t sign_channels() const { return channels_; }
   size_t layout_nbytes() const {
     return blocks_ ? blocks_->nbytes() : signs_ ? signs_->nbytes() : ordered_ ? ordered_->nbytes() : 0;
   }
@@ -166,7 +165,6 @@ class RowsHandle {
   tqvec::Blocks layout_{};
   std::optional<tqvec::SignStore> signs_;
   tqvec::SignBlocks sign_view_{};
-  int64_t channels_ = 0;
   std::optional<tqvec::ListOrder> ordered_;
   tqvec::Rows ordered_view_{};
 };
@@ -222,7 +220,7 @@ const char* run_search(const PlanHandle& plan, const RowsHandle& source, const f
                        float confidence, int threads, int max_isa, float* values, int64_t* rows, int64_t* exact = nullptr) {
   require(plan.last_byte() < source.rows().row_bytes, "the plan reads past the end of a row");
   require(plan.last_channel() < dim, "the plan reads a channel the queries do not have");
-  require(source.signs() == nullptr || source.sign_channels() == plan.last_channel() + 1,
+  require(source.signs() == nullptr || source.signs()->channels == plan.last_channel() + 1,
           "the rows' sign layout was built for another plan");
   require(k >= 1 && rescore >= 0, "k must be positive and rescore non-negative");
   require(confidence > 0.0f, "confidence must be positive");
