@@ -274,7 +274,7 @@ def search(queries: np.ndarray, source: _native.Rows, steps: Plan, k: int,
 def query_prep(rotation: Rotation, normalize: bool, center: torch.Tensor | None = None,
                centroids: torch.Tensor | None = None, by_ip: bool = True, residual: bool = False,
                base: torch.Tensor | None = None) -> _native.Queries:
-    """What an index does to a query before the scan, for :func:`search_queries`: ``normalize`` it (cosine),
+    """What an index does to a query before the scan, for :class:`QuerySearch`: ``normalize`` it (cosine),
     rotate it with ``rotation``; a flat index subtracts its ``center`` first (adding ``⟨q, c⟩ − ‖c‖²`` to the
     scores); an inverted-file index probes the lists of ``centroids`` ``(nlist, dim)`` (largest ``⟨q, c_l⟩`` when
     ``by_ip``, else nearest in L2) with constant ``⟨q, c_l⟩`` (``residual``) or ``⟨q, base⟩`` (0 without ``base``).
@@ -288,20 +288,33 @@ def query_prep(rotation: Rotation, normalize: bool, center: torch.Tensor | None 
                            _array(base, np.float32), MAX_SQUARED_NORM)
 
 
-def search_queries(queries: np.ndarray, source: _native.Rows, steps: Plan, prep: _native.Queries, k: int, ids: np.ndarray,
-                   l2: bool, nprobe: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """An index search of raw ``queries`` ``(nq, dim)`` float32 (shape and dtype validated), prepared natively as
-    ``prep`` says (:func:`query_prep`), probing ``nprobe`` lists when it has centroids, in one call on the search's
-    threads. The kernel checks the queries' values as :func:`tqvec.validation.check_array_norms` does (the same
-    ``ValueError``: NaN or Inf, or a row's squared norm beyond ``MAX_SQUARED_NORM``) before it scans.
-
-    Returns FAISS-style ``(D, I)`` ``(nq, k)``: ``I`` the ``ids`` (one per row) of the best rows, ``D`` their scores,
-    or with ``l2`` the distances ``‖q‖² − 2·score``; −1 and −inf (+inf for ``l2``) where fewer than ``k`` rows exist.
+@dataclass(frozen=True, slots=True)
+class QuerySearch:
+    """An index's native search of raw queries, bound once per index snapshot: the rows ``source`` (:func:`rows`) read
+    by ``steps``, the query preparation ``prep`` (:func:`query_prep`), the ``ids`` of the rows (one per row) and
+    whether scores are reported as ``l2`` distances. Calling it searches in one native call on the search's threads;
+    the arrays must not change while it lives (index snapshots never change).
     """
-    distances, labels, _ = _native.search_queries(steps.handle, source, prep, np.ascontiguousarray(queries, np.float32),
-                                                  ids, l2, int(nprobe), int(k), rescore_count(k), CONFIDENCE,
-                                                  max(1, torch.get_num_threads()), MAX_ISA)
-    return distances, labels
+
+    source: object  # _native.Rows
+    steps: Plan
+    prep: object  # _native.Queries
+    ids: np.ndarray
+    l2: bool
+
+    def __call__(self, queries: np.ndarray, k: int, nprobe: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """Top-``k`` of raw ``queries`` ``(nq, dim)`` C-contiguous float32 (shape and dtype validated by the caller),
+        prepared as ``prep`` says, probing ``nprobe`` lists when it has centroids. The kernel checks the queries'
+        values as :func:`tqvec.validation.check_array_norms` does (the same ``ValueError``: NaN or Inf, or a row's
+        squared norm beyond ``MAX_SQUARED_NORM``) before it scans.
+
+        Returns FAISS-style ``(D, I)`` ``(nq, k)``: ``I`` the ids of the best rows, ``D`` their scores, or with
+        ``l2`` the distances ``‖q‖² − 2·score``; −1 and −inf (+inf for ``l2``) where fewer than ``k`` rows exist.
+        """
+        distances, labels, _ = _native.search_queries(self.steps.handle, self.source, self.prep, queries, self.ids,
+                                                      self.l2, nprobe, k, rescore_count(k), CONFIDENCE,
+                                                      max(1, torch.get_num_threads()), MAX_ISA)
+        return distances, labels
 
 
 #: one channel segment of coded tokens for :func:`decode_attention`: (codes, scale, plan, rotated channels)

@@ -28,12 +28,14 @@ class RowSnapshot:
     """Named per-row tensors with spare capacity; rows ``[0, size)`` are live and never modified in place.
 
     ``scoring`` caches the scan's view of the live rows (side fields widened to float32 or derived from the
-    codes), built by the first search of this snapshot; a new snapshot is published on every change."""
+    codes), built by the first search of this snapshot, and ``native_search`` the native search bound to them
+    with the center it was built for; a new snapshot is published on every change."""
 
     tensors: dict[str, torch.Tensor]
     ids: np.ndarray
     size: int
     scoring: list[scan.CodeBlock] = field(default_factory=list)
+    native_search: tuple[torch.Tensor | None, _fastscan.QuerySearch] | None = None
 
     def view(self) -> RowSnapshot:
         n = self.size
@@ -294,7 +296,8 @@ class ListSnapshot:
     lists: tuple[torch.Tensor, ...]  # nlist × (n_l,) int32 row numbers
     size: int
     #: what searches derive from this snapshot, built once: "block" (the scan's view of all rows), "lists" (the
-    #: native scan's lists with their reference vectors, and the centroids they came from)
+    #: native scan's lists with their reference vectors, and the centroids they came from), "search" (the native
+    #: search bound to them, and the query preparation it was built with)
     cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @functools.cached_property

@@ -141,7 +141,6 @@ class Index(CodedRows):
             fine_bits = check_bits(rerank_bits)
             self.fine_quantizer = TurboQuantizer(dim, fine_bits, "mse", rotation=rotation, seed=seed + 1, rescale=True)
         self._center: torch.Tensor | None = None
-        self._query_prep: tuple[torch.Tensor | None, object] | None = None  # center -> the native query preparation
         self._center_pending = correction == "center"
         self._lock = threading.Lock()
         self._next_id = 0
@@ -320,17 +319,18 @@ class Index(CodedRows):
 
     def _search_native(self, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`search` of CPU queries ``x`` ``(nq, dim)`` (shape and dtype validated; values checked by the kernel) in
-        one native call (:func:`tqvec.scan.search_queries`)."""
+        one native call (:func:`tqvec.scan.query_search`, bound once per published rows and center)."""
         published = self._rows  # consistent snapshot (module docstring)
-        n = published.size
-        if not published.scoring:
-            published.scoring.append(self.quantizer.code_block(*self._side(published.view().tensors)))
         center = self._center
-        if self._query_prep is None or self._query_prep[0] is not center:
+        cached = published.native_search
+        if cached is None or cached[0] is not center:
+            if not published.scoring:
+                published.scoring.append(self.quantizer.code_block(*self._side(published.view().tensors)))
             prep = _fastscan.query_prep(self.quantizer.rotation, self.metric == "cosine", center)
-            self._query_prep = (center, prep)
-        return scan.search_queries(x, published.scoring[0], self.quantizer.table(self.device), self._query_prep[1], k,
-                                   published.ids[:n], self.metric == "l2")
+            search = scan.query_search(published.scoring[0], self.quantizer.table("cpu"), prep,
+                                       published.ids[:published.size], self.metric == "l2")
+            cached = published.native_search = (center, search)
+        return cached[1](x, k)
 
     def score(self, queries: Any, ids: Any) -> np.ndarray:
         """The estimates ``search`` ranks by, for given ``ids``: ``(nq, len(ids))`` float32 scores

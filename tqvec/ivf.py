@@ -359,7 +359,7 @@ class IVFIndex(CodedRows):
         snap = self._snap  # consistent snapshot (module docstring)
         if rerank is None and snap.size and self.centroids is not None and scan.native_queries(self.device, self.mode):
             x = as_float_array(queries, self.dim, "queries", check_values=False)  # values: checked by the kernel
-            return self._search_native(snap, x, k, min(nprobe, self.nlist))
+            return self._native_search(snap)(x, k, min(nprobe, self.nlist))
         q = as_float_matrix(queries, self.dim, "queries", self.device)
         if rerank is not None:
             rerank = check_positive_int("rerank", rerank)
@@ -385,18 +385,22 @@ class IVFIndex(CodedRows):
             cached = snap.cache["lists"] = (self.centroids, lists)
         return cached[1]
 
-    def _search_native(self, snap: ListSnapshot, x: np.ndarray, k: int, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`search` of CPU queries ``x`` ``(nq, dim)`` (shape and dtype validated) over the rows of ``snap``
-        (non-empty, of a trained index), in one native call (:func:`tqvec.scan.search_queries`: checking the values,
-        normalizing, probing and rotating happen in the kernel)."""
-        centroids, center, cached = self.centroids, self._center, self._query_prep
-        if cached is None or cached[0] is not centroids or cached[1] is not center:
-            base = center if self.encoding == "direct" else None
-            prep = _fastscan.query_prep(self.quantizer.rotation, self.metric == "cosine", None, centroids,
+    def _native_search(self, snap: ListSnapshot) -> _fastscan.QuerySearch:
+        """The native search of raw CPU queries over the rows of ``snap`` (non-empty, of a trained index), in one call
+        (:func:`tqvec.scan.query_search`: checking the values, normalizing, probing and rotating happen in the
+        kernel); the query preparation is kept while the centroids and center stay, the bound search per snapshot."""
+        centroids, center, prep = self._query_prep or (None, None, None)
+        if prep is None or centroids is not self.centroids or center is not self._center:
+            base = self._center if self.encoding == "direct" else None
+            prep = _fastscan.query_prep(self.quantizer.rotation, self.metric == "cosine", None, self.centroids,
                                         by_ip=self.metric == "ip", residual=self.encoding == "residual", base=base)
-            cached = self._query_prep = (centroids, center, prep)
-        return scan.search_queries(x, self._scan_block(snap), self.quantizer.table(self.device), cached[2], k,
-                                   snap.ids, self.metric == "l2", self._native_lists(snap), nprobe)
+            self._query_prep = (self.centroids, self._center, prep)
+        cached = snap.cache.get("search")
+        if cached is None or cached[0] is not prep:
+            search = scan.query_search(self._scan_block(snap), self.quantizer.table("cpu"), prep, snap.ids,
+                                       self.metric == "l2", self._native_lists(snap))
+            cached = snap.cache["search"] = (prep, search)
+        return cached[1]
 
     # ------------------------------------------------------------------ persistence
     def _config(self) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from .rotation import rowwise_matmul
 BLOCK_ROWS = 16384
 #: at most this many float32 scores live at once per block (query chunking)
 MAX_BLOCK_SCORES = 1 << 22
+_CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -148,10 +149,11 @@ def native_serves(queries: torch.Tensor, block: CodeBlock, table: CodeTable) -> 
 
 
 def native_queries(device: torch.device, mode: str) -> bool:
-    """True when an index search on ``device`` runs natively end to end (:func:`search_queries`): a CPU index,
+    """True when an index search on ``device`` runs natively end to end (:func:`query_search`): a CPU index,
     codes without QJL signs (``mode="mse"``), the extension built and the CPU kernel not set to ``"torch"``.
     Indexes fall back to their torch path otherwise (and for rerank)."""
-    return mode == "mse" and device.type == "cpu" and _fastscan.available() and _fastscan.cpu_kernel() != "torch"
+    on_cpu = device == _CPU or device.type == "cpu"  # the comparison first: reading .type builds a string
+    return mode == "mse" and on_cpu and _fastscan.available() and _fastscan.cpu_kernel() != "torch"
 
 
 def scores(queries: torch.Tensor, block: CodeBlock, table: CodeTable, projected: torch.Tensor | None = None) -> torch.Tensor:
@@ -225,13 +227,14 @@ def native_rows(block: CodeBlock, table: CodeTable, lists: _fastscan.Lists | Non
     return cached[1]
 
 
-def search_queries(queries: np.ndarray, block: CodeBlock, table: CodeTable, prep: object, k: int, ids: np.ndarray,
-                   l2: bool, lists: _fastscan.Lists | None = None, nprobe: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """The native index search: raw validated CPU ``queries`` ``(nq, dim)`` float32, prepared in the kernel as
-    ``prep`` says (:func:`tqvec._fastscan.query_prep`: normalize, rotate, probe ``nprobe`` of ``lists``), scanned,
-    answered as ``(D, I)`` (:func:`tqvec._fastscan.search_queries`: ``ids`` per row of ``block``, ``l2`` distances).
-    Callers check :func:`native_queries` first."""
-    return _fastscan.search_queries(queries, native_rows(block, table, lists), table.native_plan(), prep, k, ids, l2, nprobe)
+def query_search(block: CodeBlock, table: CodeTable, prep: object, ids: np.ndarray, l2: bool,
+                 lists: _fastscan.Lists | None = None) -> _fastscan.QuerySearch:
+    """The native index search over ``block`` (grouped by ``lists``), bound once per index snapshot: called with raw
+    validated CPU ``queries`` ``(nq, dim)`` float32, ``k`` and ``nprobe``, it prepares them in the kernel as ``prep``
+    says (:func:`tqvec._fastscan.query_prep`: normalize, rotate, probe ``nprobe`` of ``lists``), scans and answers
+    ``(D, I)`` (:class:`tqvec._fastscan.QuerySearch`: ``ids`` per row of ``block``, ``l2`` distances). Callers check
+    :func:`native_queries` first."""
+    return _fastscan.QuerySearch(native_rows(block, table, lists), table.native_plan(), prep, ids, l2)
 
 
 def _search_torch(queries: torch.Tensor, block: CodeBlock, table: CodeTable, k: int,

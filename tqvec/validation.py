@@ -148,6 +148,8 @@ def check_bits(bits: Any, low: float = 1, high: float = 8) -> float:
 
 def check_positive_int(name: str, value: Any) -> int:
     """``value`` as an int ≥ 1."""
+    if type(value) is int and value >= 1:  # the common case, first (bool is a subclass, not this type)
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
