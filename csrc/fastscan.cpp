@@ -2,6 +2,7 @@
 #include "fastscan.h"
 
 #include "parallel.h"
+#include "vector_math.h"
 
 #include <algorithm>
 #include <cmath>
@@ -581,6 +582,7 @@ struct SimdSource {
   const ExactSteps* exact;    // two-stage: re-scoring steps of the search's plan, with runs (exact_dot_avx2)
   const float* exact_luts;    // two-stage: (queries of the item, table entries of the search's plan)
   size_t exact_entries;
+  const float* exact_queries;  // two-stage: (queries of the item, dim) rotated queries in run_query_order
 };
 
 // The 8-bit tables of a group of queries for the SIMD kernels: per query and step one Lut32, and with AVX-512
@@ -616,8 +618,6 @@ struct GroupTables {
   }
 };
 
-// exact_dot with the runs of `steps` (exact_steps(plan, true)) decoded to levels and multiplied by `query` (the
-// rotated query of the float tables `lut`); the other steps are read from `lut`.
 // Adds the levels of a run of 3-bit codes times the query to acc, 8 channels (3 bytes) at a time.
 __attribute__((target("avx2,fma"), always_inline)) inline void add_three_bit_run(const ExactSteps::Run& run, const uint8_t* bytes,
                                                                               const float* levels, const float* q, __m256& acc) {
@@ -631,9 +631,37 @@ __attribute__((target("avx2,fma"), always_inline)) inline void add_three_bit_run
   }
 }
 
+// The channels of a 4-bit run come in chunks of kRunChunkAvx2 (AVX2) or kRunChunkAvx512 (AVX-512; the run's last
+// group alone when their number is odd): one load widens a chunk's bytes to 32-bit lanes, whose low nibbles
+// index the level permutes directly, and whose high nibbles do after one shift. The lanes then hold the chunk's
+// even channels, then its odd ones: run_query_order writes the query in that order once, so that each product is
+// one load of it.
+constexpr int kRunChunkAvx2 = 16, kRunChunkAvx512 = 32;
+
+// `query` (dim,) with the channels of each 4-bit run of `steps` reordered per chunk (even channels, then odd), as
+// exact_dot_avx2 (`chunk` kRunChunkAvx2) or exact_dot_avx512 (kRunChunkAvx512) reads it; other channels unmoved.
+void run_query_order(const ExactSteps& steps, const float* query, int64_t dim, int chunk, float* out) {
+  std::copy(query, query + dim, out);
+  for (const ExactSteps::Run& run : steps.runs) {
+    if (run.width != 4) continue;
+    const int channels = run_channels(4) * run.groups;
+    for (int first = 0; first < channels; first += chunk) {
+      const int n = std::min(chunk, channels - first), half = n / 2;
+      const float* q = query + run.channel + first;
+      float* o = out + run.channel + first;
+      for (int i = 0; i < half; ++i) {
+        o[i] = q[2 * i];
+        o[half + i] = q[2 * i + 1];
+      }
+    }
+  }
+}
+
+// exact_dot with the runs of `steps` (exact_steps(plan, true)) decoded to levels and multiplied by `query` (the
+// rotated query of the float tables `lut`, in run_query_order with kRunChunkAvx2); the other steps are read from
+// `lut`.
 __attribute__((target("avx2,fma"))) inline float exact_dot_avx2(const ExactSteps& steps, const float* lut, const float* levels,
                                                              const float* query, const uint8_t* row) {
-  const __m128i nibble = _mm_set1_epi8(0x0F);
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   for (const ExactSteps::Run& run : steps.runs) {
     const uint8_t* bytes = row + run.byte;
@@ -643,15 +671,15 @@ __attribute__((target("avx2,fma"))) inline float exact_dot_avx2(const ExactSteps
       continue;
     }
     const __m256 low_levels = _mm256_loadu_ps(levels + run.level), high_levels = _mm256_loadu_ps(levels + run.level + 8);
-    for (int g = 0; g < run.groups; ++g) {
-      const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * g));
-      const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(packed, nibble), _mm_and_si128(_mm_srli_epi16(packed, 4), nibble));
-      const __m256i first = _mm256_cvtepu8_epi32(codes), second = _mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8));
-      // entries 8-15 where bit 3 is set: the blend reads that bit as the sign of the shifted index
-      const __m256 v0 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low_levels, first), _mm256_permutevar8x32_ps(high_levels, first),
-                                         _mm256_castsi256_ps(_mm256_slli_epi32(first, 28)));
-      const __m256 v1 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low_levels, second), _mm256_permutevar8x32_ps(high_levels, second),
-                                         _mm256_castsi256_ps(_mm256_slli_epi32(second, 28)));
+    for (int g = 0; g < run.groups; ++g) {  // a group's 8 bytes: even channels in the low nibbles, odd in the high
+      const __m256i even = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * g)));
+      const __m256i odd = _mm256_srli_epi32(even, 4);
+      // the permutes read an index's low 3 bits; entries 8-15 where its bit 3 is set, read by the blend as the sign
+      // of the index shifted to the top (the high nibble's bit 3 is the byte's bit 7)
+      const __m256 v0 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low_levels, even), _mm256_permutevar8x32_ps(high_levels, even),
+                                         _mm256_castsi256_ps(_mm256_slli_epi32(even, 28)));
+      const __m256 v1 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low_levels, odd), _mm256_permutevar8x32_ps(high_levels, odd),
+                                         _mm256_castsi256_ps(_mm256_slli_epi32(even, 24)));
       acc0 = _mm256_fmadd_ps(v0, _mm256_loadu_ps(q + 16 * g), acc0);
       acc1 = _mm256_fmadd_ps(v1, _mm256_loadu_ps(q + 16 * g + 8), acc1);
     }
@@ -663,12 +691,12 @@ __attribute__((target("avx2,fma"))) inline float exact_dot_avx2(const ExactSteps
 }
 
 // exact_dot_avx2 with AVX-512's 16-entry permute: a 4-bit run's level table is one register, 32 channels (16 bytes)
-// a step. (The all-lanes masked forms: GCC 12 warns that the plain ones read an undefined register.)
-constexpr __mmask16 kAll16 = 0xFFFF;
+// a step; `query` in run_query_order with kRunChunkAvx512. (The all-lanes masked forms: GCC 12 warns that the
+// plain ones read an undefined register.)
+constexpr __mmask16 kAll16 = 0xFFFF, kLow8 = 0x00FF;
 __attribute__((target("avx512f,avx512bw,avx2,fma"))) float exact_dot_avx512(const ExactSteps& steps, const float* lut,
                                                                           const float* levels, const float* query,
                                                                           const uint8_t* row) {
-  const __m128i nibble = _mm_set1_epi8(0x0F);
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   __m256 acc3 = _mm256_setzero_ps();
   for (const ExactSteps::Run& run : steps.runs) {
@@ -680,18 +708,17 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) float exact_dot_avx512(cons
     }
     const __m512 table = _mm512_loadu_ps(levels + run.level);
     int g = 0;
-    for (; g + 2 <= run.groups; g += 2) {  // byte i: channels 2i (low nibble) and 2i + 1
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 8 * g));
-      const __m128i low = _mm_and_si128(packed, nibble), high = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
-      const __m512i first = _mm512_maskz_cvtepu8_epi32(kAll16, _mm_unpacklo_epi8(low, high));
-      const __m512i second = _mm512_maskz_cvtepu8_epi32(kAll16, _mm_unpackhi_epi8(low, high));
-      acc0 = _mm512_fmadd_ps(_mm512_maskz_permutexvar_ps(kAll16, first, table), _mm512_loadu_ps(q + 16 * g), acc0);
-      acc1 = _mm512_fmadd_ps(_mm512_maskz_permutexvar_ps(kAll16, second, table), _mm512_loadu_ps(q + 16 * g + 16), acc1);
+    for (; g + 2 <= run.groups; g += 2) {  // 16 bytes: 16 even channels in the low nibbles, 16 odd in the high
+      const __m512i even = _mm512_maskz_cvtepu8_epi32(kAll16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 8 * g)));
+      const __m512i odd = _mm512_maskz_srli_epi32(kAll16, even, 4);  // the permute reads an index's low 4 bits
+      acc0 = _mm512_fmadd_ps(_mm512_maskz_permutexvar_ps(kAll16, even, table), _mm512_loadu_ps(q + 16 * g), acc0);
+      acc1 = _mm512_fmadd_ps(_mm512_maskz_permutexvar_ps(kAll16, odd, table), _mm512_loadu_ps(q + 16 * g + 16), acc1);
     }
-    if (g < run.groups) {
-      const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * g));
-      const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(packed, nibble), _mm_and_si128(_mm_srli_epi16(packed, 4), nibble));
-      acc0 = _mm512_fmadd_ps(_mm512_maskz_permutexvar_ps(kAll16, _mm512_maskz_cvtepu8_epi32(kAll16, codes), table), _mm512_loadu_ps(q + 16 * g), acc0);
+    if (g < run.groups) {  // the last group's 8 bytes: 8 even channels, 8 odd (lanes 8-15 multiply zeros)
+      const __m512i even = _mm512_maskz_cvtepu8_epi32(kAll16, _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * g)));
+      const __m512i odd = _mm512_maskz_srli_epi32(kAll16, even, 4);
+      acc0 = _mm512_fmadd_ps(_mm512_maskz_permutexvar_ps(kAll16, even, table), _mm512_maskz_loadu_ps(kLow8, q + 16 * g), acc0);
+      acc1 = _mm512_fmadd_ps(_mm512_maskz_permutexvar_ps(kAll16, odd, table), _mm512_maskz_loadu_ps(kLow8, q + 16 * g + 8), acc1);
     }
   }
   alignas(64) float part[16];
@@ -741,30 +768,13 @@ __attribute__((target("avx2,fma"))) inline void refine(const SearchArgs& a, cons
   }
 }
 
-// Scores the waiting refinements of work item `w`, then makes the arriving ones wait.
-__attribute__((target("avx2,fma"))) inline void refine_all(const SearchArgs& a, const SimdSource& src, const Work& w,
+// Scores the waiting refinements of the work item, then makes the arriving ones wait.
+__attribute__((target("avx2,fma"))) inline void refine_all(const SearchArgs& a, const SimdSource& src,
                                                          std::vector<Refinement>& waiting, std::vector<Refinement>& arriving,
                                                          std::vector<BestRows>& best, bool avx512) {
-  for (const Refinement& r : waiting) refine(a, src, r, a.queries + (w.query + r.j) * a.dim, best[r.j], avx512);
+  for (const Refinement& r : waiting) refine(a, src, r, src.exact_queries + r.j * a.dim, best[r.j], avx512);
   waiting.swap(arriving);
   arriving.clear();
-}
-
-// |x - y|^2 for (n,) vectors, 8 lanes at a time.
-__attribute__((target("avx2,fma"))) inline float squared_distance_avx2(const float* x, const float* y, int64_t n) {
-  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256 d0 = _mm256_sub_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i));
-    const __m256 d1 = _mm256_sub_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(y + i + 8));
-    s0 = _mm256_fmadd_ps(d0, d0, s0);
-    s1 = _mm256_fmadd_ps(d1, d1, s1);
-  }
-  alignas(32) float part[8];
-  _mm256_store_ps(part, _mm256_add_ps(s0, s1));
-  float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-  for (; i < n; ++i) sum += (x[i] - y[i]) * (x[i] - y[i]);
-  return sum;
 }
 
 // The `capacity` largest lower bounds seen so far (a min-heap): while it is full, a row whose upper bound is below
@@ -809,9 +819,7 @@ __attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Wo
   std::vector<LowerBounds> floor(two_stage ? static_cast<size_t>(group) : 0, LowerBounds(best.empty() ? 1 : best[0].capacity()));
   for (int64_t j = 0; two_stage && j < group; ++j) {  // bound = reach * slack + rounding * |gain|
     const float* q = a.queries + (w.query + j) * a.dim;
-    float squared = 0.0f;
-    for (int64_t d = 0; d < a.dim; ++d) squared += q[d] * q[d];
-    reach[j] = a.confidence * std::sqrt(squared);
+    reach[j] = a.confidence * std::sqrt(dot_avx2(q, q, a.dim));
     rounding[j] = 0.5f * static_cast<float>(plan.n_steps) * tables.q[j].inv_scale;
   }
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
@@ -889,10 +897,10 @@ __attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Wo
           arriving.push_back(r);
         }
       }
-      if (two_stage) refine_all(a, src, w, waiting, arriving, best, avx512);
+      if (two_stage) refine_all(a, src, waiting, arriving, best, avx512);
     }
   }
-  if (two_stage) refine_all(a, src, w, waiting, arriving, best, avx512);
+  if (two_stage) refine_all(a, src, waiting, arriving, best, avx512);
 }
 #endif  // TQVEC_X86
 
@@ -1221,6 +1229,7 @@ const char* search(const SearchArgs& a, Isa max_isa) {
     // uninitialized: the two-stage scan fills (and reads) only the tables of the steps its exact scores look up
     std::unique_ptr<float[]> luts(new float[table_entries(a.plan) * static_cast<size_t>(group)]);
     std::unique_ptr<float[]> sign_luts(new float[two_stage ? table_entries(table_plan) * static_cast<size_t>(group) : 0]);
+    std::unique_ptr<float[]> exact_queries(new float[two_stage ? static_cast<size_t>(a.dim * group) : 0]);
     for (size_t i = begin; i < end; ++i) {
       const Work& w = work[i];
       for (int64_t q = w.query; q < w.query_end; ++q) {
@@ -1229,6 +1238,10 @@ const char* search(const SearchArgs& a, Isa max_isa) {
         if (two_stage) {
           tables(a.plan, &steps.exact_runs.table_steps, query, lut);
           tables(table_plan, nullptr, query, sign_luts.get() + (q - w.query) * table_entries(table_plan));
+#ifdef TQVEC_X86
+          run_query_order(steps.exact_runs, query, a.dim, avx512 ? kRunChunkAvx512 : kRunChunkAvx2,
+                          exact_queries.get() + (q - w.query) * a.dim);
+#endif
         } else {
           tables(a.plan, nullptr, query, lut);
         }
@@ -1237,7 +1250,7 @@ const char* search(const SearchArgs& a, Isa max_isa) {
 #ifdef TQVEC_X86
       if (simd) {
         const SimdSource src{blocks, &table_plan, &ops, two_stage ? a.signs->slack : nullptr, &steps.exact_runs, luts.get(),
-                             table_entries(a.plan)};
+                             table_entries(a.plan), exact_queries.get()};
         scan_avx2(a, w, two_stage ? sign_luts.get() : luts.get(), best, src, avx512);
       } else {
         scan_exact(a, exact, w, luts.get(), best[0]);

@@ -8,6 +8,7 @@
 
 #include "fastscan.h"
 #include "parallel.h"
+#include "vector_math.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -26,21 +27,6 @@ float dot_scalar(const float* a, const float* b, int64_t n) {
   return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
-#ifdef TQVEC_X86
-__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int64_t n) {
-  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-  }
-  alignas(32) float part[8];
-  _mm256_store_ps(part, _mm256_add_ps(s0, s1));
-  float s = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-  for (; i < n; ++i) s += a[i] * b[i];  // inline: a call into baseline (SSE) code from here costs more than the tail
-  return s;
-}
-#endif
 
 // Sum of x[d]^2 in double precision (NaN or Inf in x make it non-finite; a float32 squared cannot overflow it).
 double squared_norm_scalar(const float* x, int64_t n) {
