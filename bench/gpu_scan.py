@@ -1,10 +1,12 @@
 """GPU benchmark of tqvec's Triton scan: fused top-k search against torch bf16 exact search, and encode.
 
-For N ∈ {1M, 10M}, d ∈ {128, 1536}, nq ∈ {1, 100, 10000}, bits ∈ {2, 4}, k = 10 on random Gaussian
-data generated on the GPU: QPS of ``tqvec.kernels.ops.search`` and of ``torch.topk(Q @ X.T)`` in
+For N ∈ {1M, 10M}, d ∈ {128, 384, 768, 1024, 1536}, nq ∈ {1, 100, 10000}, bits ∈ {2, 4}, k = 10 on random
+Gaussian data generated on the GPU: QPS of ``tqvec.kernels.ops.search`` and of ``torch.topk(Q @ X.T)`` in
 bf16 (the exact search a user would write, query-chunked so one score block stays ≤ 2 GB), recall@10
 of both against exact float32 top-10 (first 100 queries), bytes read per second against a measured
-device-to-device copy, and encode throughput (rotation GEMM + ``ops.encode``).
+device-to-device copy, and encode throughput (rotation GEMM + ``ops.encode``). Two more yardsticks per
+tqvec row: the bf16 matmul alone (``Q @ X.T`` in the same chunks, no top-k) and the byte floor (the
+codes' bytes at the copy rate).
 
     tqvec bench gpu-scan --out bench/results          # the table (gpu_scan.json / gpu_scan.md)
     tqvec bench gpu-scan --check --sweep              # GPU correctness check and tile sweep only
@@ -108,6 +110,13 @@ def bf16_search(queries: torch.Tensor, x: torch.Tensor, k: int) -> tuple[torch.T
     return torch.cat([p.values for p in parts]), torch.cat([p.indices for p in parts])
 
 
+def bf16_matmul(queries: torch.Tensor, x: torch.Tensor) -> None:
+    """The matmul of :func:`bf16_search` alone, in the same query chunks (scores dropped)."""
+    chunk = max(1, SCORE_BLOCK // x.shape[0])
+    for i in range(0, queries.shape[0], chunk):
+        queries[i:i + chunk] @ x.T
+
+
 # ---------------------------------------------------------------- tqvec pieces
 def stage1_ms(rotated: torch.Tensor, block: scan.CodeBlock, table: scan.CodeTable, cfg: ops.TileConfig | None = None) -> float:
     """Milliseconds of the search's first stage alone (:func:`ops.group_maxima`: the scan kernel writing
@@ -190,8 +199,9 @@ def measure(db: Database, queries: torch.Tensor, args: argparse.Namespace, copy_
     qb = queries.to(torch.bfloat16)
     ms = time_ms(lambda: bf16_search(qb, db.x_bf16, K))
     found = bf16_search(qb[:TRUTH_QUERIES], db.x_bf16, K)[1]
+    matmul_ms = time_ms(lambda: bf16_matmul(qb, db.x_bf16))
     rows.append({**base, "what": "torch bf16 matmul+topk", "ms": ms, "qps": nq / ms * 1e3,
-                 "recall": recall(found, db.truth), "gbs": db.x_bf16.numel() * 2 / ms / 1e6})
+                 "recall": recall(found, db.truth), "gbs": db.x_bf16.numel() * 2 / ms / 1e6, "matmul_ms": matmul_ms})
     print(rows[-1], flush=True)
     for b in args.bits:
         tq, block = db.quantizers[b], db.blocks[b]
@@ -203,7 +213,8 @@ def measure(db: Database, queries: torch.Tensor, args: argparse.Namespace, copy_
         gbs = db.code_bytes(b) / ms / 1e6
         rows.append({**base, "what": f"tqvec {b}-bit fused search", "bits": b, "ms": ms, "qps": nq / ms * 1e3,
                      "recall": recall(found, db.truth), "gbs": gbs, "copy_fraction": gbs / copy_gbs,
-                     "speedup_vs_bf16": rows[0]["ms"] / ms, "scan_ms": scan_ms,
+                     "speedup_vs_bf16": rows[0]["ms"] / ms, "speedup_vs_matmul": matmul_ms / ms,
+                     "floor_ms": db.code_bytes(b) / copy_gbs / 1e6, "scan_ms": scan_ms,
                      "scan_copy_fraction": db.code_bytes(b) / scan_ms / 1e6 / copy_gbs,
                      "config": str(ops.tile_config(nq, tq.layout, n=len(block)))})
         print(rows[-1], flush=True)
@@ -232,19 +243,24 @@ def markdown(info: dict, results: list[dict]) -> str:
         "GB/s: database bytes read per second (bf16 vectors; tqvec packed codes + float32 scales), end to end; "
         "the last column times tqvec's scan kernel (stage 1, group maxima) alone. tqvec searches after the "
         "second call of a shape replay a captured CUDA graph (see kernels/ops.py); the bf16 baseline is two "
-        "eager torch calls per query chunk.", "",
-        "| N | d | nq | method | ms | QPS | recall@10 | GB/s | of copy BW | speed-up vs bf16 | scan kernel ms (of copy BW) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "eager torch calls per query chunk. vs matmul: the bf16 matmul alone (same chunks, no top-k) over tqvec's time; "
+        "floor: the codes' bytes at the copy rate.", "",
+        "| N | d | nq | method | ms | QPS | recall@10 | GB/s | of copy BW | speed-up vs bf16 | vs matmul | floor ms | "
+        "scan kernel ms (of copy BW) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if "skipped" in r:
-            lines.append(f"| {r['n']:,} | {r['d']} | {r.get('nq', 'all')} | skipped: {r['skipped']} | | | | | | | |")
+            lines.append(f"| {r['n']:,} | {r['d']} | {r.get('nq', 'all')} | skipped: {r['skipped']} | | | | | | | | | |")
         elif r.get("what") != "encode":
             frac = f"{r['copy_fraction']:.0%}" if "copy_fraction" in r else ""
             speed = f"{r['speedup_vs_bf16']:.1f}×" if "speedup_vs_bf16" in r else ""
             scan_col = f"{r['scan_ms']:.3f} ({r['scan_copy_fraction']:.0%})" if "scan_ms" in r else ""
+            vs_matmul = f"{r['speedup_vs_matmul']:.2f}×" if "speedup_vs_matmul" in r else (
+                f"matmul alone {r['matmul_ms']:.3f} ms" if "matmul_ms" in r else "")
+            floor = f"{r['floor_ms']:.3f}" if "floor_ms" in r else ""
             lines.append(f"| {r['n']:,} | {r['d']} | {r['nq']:,} | {r['what']} | {r['ms']:.3f} | {r['qps']:,.0f} | "
-                         f"{r['recall']:.3f} | {r['gbs']:,.0f} | {frac} | {speed} | {scan_col} |")
+                         f"{r['recall']:.3f} | {r['gbs']:,.0f} | {frac} | {speed} | {vs_matmul} | {floor} | {scan_col} |")
     lines += ["", "Encode (rotation GEMM in float32 + Triton quantize/pack kernel), first 1M vectors:", "",
               "| d | bits | vectors/s |", "|---|---|---|"]
     seen = set()
@@ -262,7 +278,8 @@ def check() -> bool:
     cases = [(4, "mse", 128, 20001, 100), (4, "mse", 128, 20001, 1), (2, "mse", 1536, 5003, 37), (1, "mse", 128, 5003, 300),
              (3, "mse", 100, 5003, 5), (2.5, "mse", 128, 5003, 100), (3.5, "prod", 96, 5003, 20), (1, "prod", 64, 5003, 3),
              (4, "mse", 128, 5003, 64), (4, "prod", 128, 5003, 130), (8, "mse", 1536, 3001, 200),
-             (4, "mse", 12, 3001, 20), (2, "mse", 16, 3001, 3)]  # below MIN_BLOCK_D channels
+             (4, "mse", 12, 3001, 20), (2, "mse", 16, 3001, 3),  # below MIN_BLOCK_D channels
+             (4, "mse", 384, 5003, 1), (4, "mse", 768, 5003, 100), (4, "mse", 1024, 5003, 1), (4, "mse", 1536, 5003, 100)]
     for case in cases:
         try:
             ok &= _check_case(*case)
@@ -440,7 +457,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000])
-    parser.add_argument("--dims", type=int, nargs="+", default=[128, 1536])
+    parser.add_argument("--dims", type=int, nargs="+", default=[128, 384, 768, 1024, 1536])
     parser.add_argument("--nqs", type=int, nargs="+", default=[1, 100, 10_000])
     parser.add_argument("--bits", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--max-seconds", type=float, default=420.0, help="skip configurations started after this")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.util
 import json
 import math
 import os
@@ -299,13 +300,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _set_threads(threads: int) -> None:
-    """One thread count for every library (turbovec's and rabitqlib's pools read the environment at import)."""
+    """One thread count for every library (turbovec's and rabitqlib's pools read the environment at import); FAISS is
+    optional: a sweep whose ``--only`` leaves it out runs without it."""
     os.environ["RAYON_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = str(threads)
-    import faiss  # noqa: PLC0415
     import torch  # noqa: PLC0415
 
     torch.set_num_threads(threads)
-    faiss.omp_set_num_threads(threads)
+    if importlib.util.find_spec("faiss") is not None:
+        import faiss  # noqa: PLC0415
+
+        faiss.omp_set_num_threads(threads)
 
 
 def main(argv: list[str] | None = None) -> int:
