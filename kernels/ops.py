@@ -60,9 +60,9 @@ GROUP_MARGIN = 8
 #: stage-1 group maxima held at once (floats); larger query batches are split
 MAX_GROUP_SCORES = 1 << 28
 #: single-query searches over 4-bit segments of at most this many channels run stage 1 on CUDA cores
-#: (:func:`~.scan_kernel.matvec_kernel`); the tensor-core tile kernel was faster at d = 1536, at nq = 4
-#: and at 2 bits (H200)
-MATVEC_MAX_DIM = 128
+#: (:func:`~.scan_kernel.matvec_kernel`): faster than the tensor-core tile kernel at d = 128 to 768, even at
+#: d = 1536; the tile kernel was faster at nq = 4 and at 2 bits (H200, bench/results/gpu_scan_runs)
+MATVEC_MAX_DIM = 768
 #: rows per program of :func:`~.scan_kernel.refine_kernel` (chosen groups are refined in such slices)
 REFINE_ROWS = 128
 #: fewest channels per ``tl.dot`` step of the tile kernel: with 16, Triton 3.6 computed wrong tensor-core scores on
@@ -197,13 +197,14 @@ def tile_config(nq: int, layout: Layout, exact: bool = False, n: int = 0) -> Til
         return TileConfig(block_q=16, block_n=32, block_d=_pow2_clamp(widest, MIN_BLOCK_D, 32))
     block_q = _pow2_clamp(nq, 16, 128)
     if nq <= 16:
-        return TileConfig(16, 128, _pow2_clamp(widest, MIN_BLOCK_D, 64 if exact else 128), rows_as_m=True)
+        return TileConfig(16, 128, _pow2_clamp(widest, MIN_BLOCK_D, 64 if exact else 128), rows_as_m=True,
+                          pair_lut=not exact and widest > 128)
     if exact:
         return TileConfig(block_q, 128, _pow2_clamp(widest, MIN_BLOCK_D, 32), num_warps=8)
-    if widest <= 128:  # H200, N = 1M, d = 128, 4 bits, stage 1 at nq = 100 / 200: 0.125 / 0.236 ms (4 warps, 2 tiles)
-        # against 0.140 / 0.254 (8 warps, 4 tiles)
-        return TileConfig(block_q, 128, _pow2_clamp(widest, MIN_BLOCK_D, 128), tiles=2, pair_lut=True, num_warps=4)
-    return TileConfig(block_q, 256, 64, num_warps=8)
+    # H200, N = 1M, 4 bits: two tiles of 128 rows per program with the pair table beat one of 256 rows by 1.1-1.25x
+    # at d = 384 to 1536, nq = 100 and 10,000 (bench/results/gpu_scan_runs), and 8 warps with 4 tiles at d = 128
+    return TileConfig(block_q, 128, _pow2_clamp(widest, MIN_BLOCK_D, 64 if widest > 128 else 128), tiles=2,
+                      pair_lut=True, num_warps=4)
 
 
 _DUMMIES: dict[torch.device, torch.Tensor] = {}
