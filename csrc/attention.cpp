@@ -14,7 +14,8 @@ namespace {
 // Decodes a packed row into the levels of its channels (channels no step covers stay 0). A byte read only by
 // steps that stay inside it and cover consecutive channels in bit order (4-, 2- and 1-bit codes) is decoded by one
 // look-up in a 256-entry table of its channels' levels (tables of equal content are shared: one per segment);
-// every other step (3-, 5- to 8-bit codes, codes across a byte boundary) reads its code and levels on its own.
+// 3-bit codes in groups of 8 channels per 3 bytes two channels per look-up in a table of 64 level pairs; every
+// other step (5- to 8-bit codes, other codes across a byte boundary) reads its code and levels on its own.
 class RowDecoder {
  public:
   explicit RowDecoder(const Plan& plan) {
@@ -62,11 +63,8 @@ class RowDecoder {
                st.byte * 8 + st.shift == width * static_cast<int32_t>(t) &&
                std::equal(st.level, st.level + st.size, steps_[0].level);  // one codebook
     }
-    if (packed) packed_width_ = width;
-    for (unsigned v = 0; packed_width_ == 3 && v < 64; ++v) {  // level pairs of two consecutive 3-bit codes
-      pairs_.push_back(steps_[0].level[v & 7u]);
-      pairs_.push_back(steps_[0].level[v >> 3]);
-    }
+    if (packed && width != 3) packed_width_ = width;
+    take_three_bit_runs();
   }
 
   void decode(const uint8_t* row, float* out) const {
@@ -77,7 +75,6 @@ class RowDecoder {
       default: break;
     }
     switch (packed_width_) {
-      case 3: return decode_packed<3>(row, out);
       case 5: return decode_packed<5>(row, out);
       case 6: return decode_packed<6>(row, out);
       case 7: return decode_packed<7>(row, out);
@@ -86,6 +83,15 @@ class RowDecoder {
     for (const ByteOp& op : bytes_) {
       const float* levels = tables_[op.table].data() + static_cast<size_t>(row[op.byte]) * op.count;
       for (int32_t j = 0; j < op.count; ++j) out[op.first_channel + j] = levels[j];
+    }
+    for (const Run& run : runs_) {  // two channels per look-up in the run's 64 level pairs
+      const float* pairs = pairs_[run.pairs].data();
+      for (int32_t i = 0; i < run.groups; ++i) {
+        const uint8_t* p = row + run.byte + 3 * i;
+        const uint32_t bits = p[0] | (p[1] << 8) | (p[2] << 16);  // byte by byte: no partial store to wait on
+        float* o = out + run.channel + 8 * i;
+        for (int j = 0; j < 4; ++j) std::memcpy(o + 2 * j, pairs + 2 * ((bits >> (6 * j)) & 63u), 2 * sizeof(float));
+      }
     }
     for (const Step& s : steps_) {
       unsigned bits = row[s.byte];
@@ -105,20 +111,15 @@ class RowDecoder {
   }
 
   // decode() of `width`-bit codes in channel order (packed_width_): each group of 8 channels is `width` bytes
-  // (3-bit codes: two channels per look-up in pairs_, the 64 level pairs)
   template <int width>
   void decode_packed(const uint8_t* row, float* out) const {
     constexpr uint64_t mask = (1u << width) - 1u;
     const float* level = steps_[0].level;
     const size_t groups = steps_.size() / 8;
     for (size_t i = 0; i < groups; ++i) {
-      uint64_t bits = 0;
-      std::memcpy(&bits, row + i * width, width);  // little-endian (x86, ARM)
-      if constexpr (width == 3) {
-        for (int j = 0; j < 4; ++j) std::memcpy(out + i * 8 + 2 * j, pairs_.data() + 2 * ((bits >> (6 * j)) & 63u), 2 * sizeof(float));
-      } else {
-        for (int j = 0; j < 8; ++j) out[i * 8 + j] = level[(bits >> (width * j)) & mask];
-      }
+      uint64_t bits = 0;  // byte by byte: a short memcpy into it is a partial store its wide read then waits on
+      for (int j = 0; j < width; ++j) bits |= static_cast<uint64_t>(row[i * width + j]) << (8 * j);
+      for (int j = 0; j < 8; ++j) out[i * 8 + j] = level[(bits >> (width * j)) & mask];
     }
   }
 
@@ -167,12 +168,68 @@ class RowDecoder {
   std::vector<Step> steps_;
   std::vector<std::vector<float>> tables_;
   int32_t uniform_count_ = 0;  // 2, 4 or 8 where decode_uniform applies
-  int32_t packed_width_ = 0;   // 3, 5, 6 or 7 where decode_packed applies
-  std::vector<float> pairs_;   // packed_width_ 3: the levels of 6-bit code pairs (low code first)
+  // Moves the 3-bit steps that form groups of 8 channels in 3 bytes (a byte boundary first, channels and bits
+  // consecutive, one codebook) from steps_ into runs_ of consecutive groups.
+  void take_three_bit_runs() {
+    std::vector<Step> rest;
+    for (size_t t = 0; t < steps_.size();) {
+      if (!three_bit_group(t)) {
+        rest.push_back(steps_[t++]);
+        continue;
+      }
+      const Step& first = steps_[t];
+      Run* last = runs_.empty() ? nullptr : &runs_.back();
+      const bool extends = last && last->byte + 3 * last->groups == first.byte &&
+                           last->channel + 8 * last->groups == first.channel[0] && last->level == first.level;
+      if (extends) {
+        ++last->groups;
+      } else {
+        runs_.push_back({first.byte, first.channel[0], 1, pair_table(first.level), first.level});
+      }
+      t += 8;
+    }
+    steps_ = std::move(rest);
+  }
+
+  // True when steps_[t .. t + 8) are one group of a 3-bit run.
+  bool three_bit_group(size_t t) const {
+    if (t + 8 > steps_.size() || steps_[t].shift != 0) return false;
+    const Step& first = steps_[t];
+    for (int i = 0; i < 8; ++i) {
+      const Step& s = steps_[t + i];
+      if (s.mask != 7u || s.channel[1] >= 0 || s.channel[0] != first.channel[0] + i ||
+          8 * s.byte + s.shift != 8 * first.byte + 3 * i || !std::equal(s.level, s.level + 8, first.level))
+        return false;
+    }
+    return true;
+  }
+
+  // The index in pairs_ of the 64 level pairs (low code first) of two consecutive 3-bit codes of `level`.
+  int32_t pair_table(const float* level) {
+    std::vector<float> pairs;
+    for (unsigned v = 0; v < 64; ++v) {
+      pairs.push_back(level[v & 7u]);
+      pairs.push_back(level[v >> 3]);
+    }
+    int32_t index = 0;
+    while (index < static_cast<int32_t>(pairs_.size()) && pairs_[index] != pairs) ++index;
+    if (index == static_cast<int32_t>(pairs_.size())) pairs_.push_back(std::move(pairs));
+    return index;
+  }
+
+  struct Run {
+    int32_t byte, channel, groups, pairs;
+    const float* level;
+  };
+
+  int32_t packed_width_ = 0;              // 5, 6 or 7 where decode_packed applies
+  std::vector<Run> runs_;                 // 3-bit codes, 8 channels per 3 bytes
+  std::vector<std::vector<float>> pairs_;  // per run codebook: the levels of 6-bit code pairs (low code first)
 };
 
-// <a, b> over n floats in 8 independent partial sums (a reduction the compiler can vectorize).
-inline float dot(const float* a, const float* b, int64_t n) {
+// <a, b> over n floats in 8 independent partial sums (a reduction the compiler can vectorize, 8 lanes wide in
+// one_head_avx2).
+__attribute__((always_inline)) inline float dot(const float* a, const float* b, int64_t n) {
   float part[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   int64_t c = 0;
   for (; c + 8 <= n; c += 8)
@@ -182,8 +239,9 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return total;
 }
 
-void one_head(const DecodeArgs& a, const std::vector<RowDecoder>& keys, const std::vector<RowDecoder>& values,
-              int64_t head) {
+// One head's online-softmax state; always inlined, so one_head and one_head_avx2 compile it for their own ISA.
+__attribute__((always_inline)) inline void one_head_with(const DecodeArgs& a, const std::vector<RowDecoder>& keys,
+                                                          const std::vector<RowDecoder>& values, int64_t head) {
   const int64_t G = a.group, n = a.n, kd = a.key_dim, vd = a.value_dim;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   std::vector<float> row(static_cast<size_t>(std::max(kd, vd)), 0.0f), logits(static_cast<size_t>(G * n), 0.0f);
@@ -233,14 +291,31 @@ void one_head(const DecodeArgs& a, const std::vector<RowDecoder>& keys, const st
   }
 }
 
+void one_head(const DecodeArgs& a, const std::vector<RowDecoder>& keys, const std::vector<RowDecoder>& values,
+              int64_t head) {
+  one_head_with(a, keys, values, head);
+}
+
+#if defined(__x86_64__) || defined(_M_X64)
+// one_head with 8-lane FMA products and sums (AVX2 + FMA).
+__attribute__((target("avx2,fma"))) void one_head_avx2(const DecodeArgs& a, const std::vector<RowDecoder>& keys,
+                                                       const std::vector<RowDecoder>& values, int64_t head) {
+  one_head_with(a, keys, values, head);
+}
+#endif
+
 }  // namespace
 
 void decode_attention(const DecodeArgs& a) {
   std::vector<RowDecoder> keys, values;
   for (const CodedTokens& seg : a.keys) keys.emplace_back(seg.plan);
   for (const CodedTokens& seg : a.values) values.emplace_back(seg.plan);
+  auto head = one_head;
+#if defined(__x86_64__) || defined(_M_X64)
+  if (has_avx2()) head = one_head_avx2;
+#endif
   parallel_for(static_cast<size_t>(a.heads), a.threads, [&](size_t begin, size_t end) {
-    for (size_t h = begin; h < end; ++h) one_head(a, keys, values, static_cast<int64_t>(h));
+    for (size_t h = begin; h < end; ++h) head(a, keys, values, static_cast<int64_t>(h));
   });
 }
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tqvec import _fastscan, scan
+from tqvec import TurboQuantizer, _fastscan, scan
 from tqvec.kv.attention import compressed_attention, decode_step
 from tqvec.kv.cache import TurboQuantLayer
 from tqvec.kv.codec import HeadCodec
@@ -96,3 +96,26 @@ def test_grouped_decode_step_equals_the_per_head_reference(bits: float) -> None:
     for out in (torch_path, native):
         got = out.reshape(reference.shape)
         assert torch.allclose(got, reference, rtol=0, atol=1e-4 * reference.abs().max().item())
+
+
+@pytest.mark.parametrize("dim,bits", [(64, 2.5), (37, 3), (45, 2.5), (40, 3.5)])
+def test_native_decode_attention_reads_mixed_and_partial_three_bit_layouts(dim: int, bits: float) -> None:
+    """One plan that mixes 3-bit codes (decoded 8 channels per 3 bytes) with others (a fractional rate in one
+    quantizer), and 3-bit channels past the last whole group of 8: the native state equals the one computed from the
+    decoded levels."""
+    quantizer = TurboQuantizer(dim, bits, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    heads, group, n = 2, 3, 50
+    codes = quantizer.encode(torch.randn(heads * n, dim, generator=gen))
+    table, width = quantizer.table("cpu"), quantizer.layout.dim
+    packed = codes.packed.view(1, heads, n, -1)
+    scale = torch.rand(1, heads, n, generator=gen) + 0.5
+    queries = torch.randn(1, heads, group, width, generator=gen)
+    segments = [(packed, scale, table.native_plan(), width)]
+    top, total, acc = _fastscan.decode_attention(queries, segments, segments, n, None)
+    levels = scan.dequantize(codes.packed, table).view(1, heads, n, width)
+    logits = queries @ levels.transpose(2, 3) * scale[:, :, None, :]
+    weights = torch.exp(logits - logits.amax(-1, keepdim=True))
+    assert torch.allclose(top, logits.amax(-1), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(total, weights.sum(-1), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(acc, weights @ (levels * scale[..., None]), rtol=1e-4, atol=1e-4)
