@@ -239,6 +239,23 @@ __attribute__((always_inline)) inline float dot(const float* a, const float* b, 
   return total;
 }
 
+// Decodes token r of `head` from every segment into `row` (each at its first channel) and returns the scale its
+// levels still need: the one segment's, or 1 when there are `several` (each segment's levels already carry theirs).
+__attribute__((always_inline)) inline float decode_token(const std::vector<CodedTokens>& segments,
+                                                         const std::vector<RowDecoder>& decoders, int64_t head, int64_t r,
+                                                         bool several, float* row) {
+  float scale = 1.0f;
+  for (size_t s = 0; s < segments.size(); ++s) {
+    const CodedTokens& seg = segments[s];
+    float* out = row + seg.first;
+    decoders[s].decode(seg.packed + head * seg.head_stride + r * seg.row_bytes, out);
+    scale = seg.scale[head * seg.scale_stride + r];
+    if (several)
+      for (int64_t c = 0; c < seg.dim; ++c) out[c] *= scale;
+  }
+  return several ? 1.0f : scale;
+}
+
 // One head's online-softmax state; always inlined, so one_head and one_head_avx2 compile it for their own ISA.
 __attribute__((always_inline)) inline void one_head_with(const DecodeArgs& a, const std::vector<RowDecoder>& keys,
                                                           const std::vector<RowDecoder>& values, int64_t head) {
@@ -247,15 +264,14 @@ __attribute__((always_inline)) inline void one_head_with(const DecodeArgs& a, co
   std::vector<float> row(static_cast<size_t>(std::max(kd, vd)), 0.0f), logits(static_cast<size_t>(G * n), 0.0f);
   const float* q = a.queries + head * G * kd;
   const uint8_t* valid = a.valid ? a.valid + (head / a.heads_per_batch) * n : nullptr;
-  for (size_t s = 0; s < a.keys.size(); ++s) {
-    const CodedTokens& seg = a.keys[s];
-    const uint8_t* key_rows = seg.packed + head * seg.head_stride;
-    const float* key_scale = seg.scale + head * seg.scale_stride;
-    for (int64_t r = 0; r < n; ++r) {
-      if (valid && !valid[r]) continue;
-      keys[s].decode(key_rows + r * seg.row_bytes, row.data());
-      for (int64_t g = 0; g < G; ++g) logits[g * n + r] += key_scale[r] * dot(q + g * kd + seg.first, row.data(), seg.dim);
-    }
+  // A token's segments are decoded side by side into one row (each segment's levels times its scale where there are
+  // several), which then meets the G queries in one product over the segments' channels.
+  const bool several_keys = a.keys.size() > 1, several_values = a.values.size() > 1;
+  const int64_t key_first = several_keys ? 0 : a.keys[0].first, key_width = several_keys ? kd : a.keys[0].dim;
+  for (int64_t r = 0; r < n; ++r) {
+    if (valid && !valid[r]) continue;
+    const float scale = decode_token(a.keys, keys, head, r, several_keys, row.data());
+    for (int64_t g = 0; g < G; ++g) logits[g * n + r] = scale * dot(q + g * kd + key_first, row.data() + key_first, key_width);
   }
   for (int64_t g = 0; g < G; ++g) {
     float* lg = logits.data() + g * n;
@@ -273,20 +289,16 @@ __attribute__((always_inline)) inline void one_head_with(const DecodeArgs& a, co
     a.sum[head * G + g] = total;
     std::fill(a.acc + (head * G + g) * vd, a.acc + (head * G + g + 1) * vd, 0.0f);
   }
-  for (size_t s = 0; s < a.values.size(); ++s) {
-    const CodedTokens& seg = a.values[s];
-    std::fill(row.begin(), row.end(), 0.0f);
-    const uint8_t* value_rows = seg.packed + head * seg.head_stride;
-    const float* value_scale = seg.scale + head * seg.scale_stride;
-    for (int64_t r = 0; r < n; ++r) {
-      if (valid && !valid[r]) continue;
-      values[s].decode(value_rows + r * seg.row_bytes, row.data());
-      for (int64_t g = 0; g < G; ++g) {
-        const float w = logits[g * n + r] * value_scale[r];
-        float* __restrict__ acc = a.acc + (head * G + g) * vd + seg.first;
-        const float* __restrict__ levels = row.data();
-        for (int64_t c = 0; c < seg.dim; ++c) acc[c] += w * levels[c];
-      }
+  std::fill(row.begin(), row.end(), 0.0f);
+  const int64_t value_first = several_values ? 0 : a.values[0].first, value_width = several_values ? vd : a.values[0].dim;
+  for (int64_t r = 0; r < n; ++r) {
+    if (valid && !valid[r]) continue;
+    const float scale = decode_token(a.values, values, head, r, several_values, row.data());
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = logits[g * n + r] * scale;
+      float* __restrict__ acc = a.acc + (head * G + g) * vd + value_first;
+      const float* __restrict__ levels = row.data() + value_first;
+      for (int64_t c = 0; c < value_width; ++c) acc[c] += w * levels[c];
     }
   }
 }
