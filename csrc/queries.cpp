@@ -187,7 +187,28 @@ __attribute__((always_inline)) inline void rotate_with(const QueryTransform& t, 
 void rotate_scalar(const QueryTransform& t, float* v) { rotate_with<walsh_hadamard_scalar>(t, v); }
 
 #ifdef TQVEC_X86
-// walsh_hadamard_scalar with the first three levels inside each 8-float register and the others 8 lanes wide.
+// The Walsh-Hadamard levels at distances h, 2h, .., 2^(levels-1) h (h a multiple of 8, h << levels <= n) in one pass:
+// the 2^levels vectors that those butterflies connect are loaded once, combined in registers and stored once.
+template <int levels>
+__attribute__((target("avx2,fma"), always_inline)) inline void hadamard_levels_avx2(float* x, int64_t n, int64_t h) {
+  constexpr int m = 1 << levels;
+  for (int64_t i = 0; i < n; i += h * m)
+    for (int64_t j = i; j < i + h; j += 8) {
+      __m256 r[m];
+      for (int k = 0; k < m; ++k) r[k] = _mm256_loadu_ps(x + j + k * h);
+      for (int s = 1; s < m; s *= 2)
+        for (int k = 0; k < m; ++k)
+          if (!(k & s)) {
+            const __m256 a = r[k], b = r[k + s];
+            r[k] = _mm256_add_ps(a, b);
+            r[k + s] = _mm256_sub_ps(a, b);
+          }
+      for (int k = 0; k < m; ++k) _mm256_storeu_ps(x + j + k * h, r[k]);
+    }
+}
+
+// walsh_hadamard_scalar with the first three levels inside each 8-float register and the others 8 lanes wide, up
+// to three at a time (hadamard_levels_avx2).
 __attribute__((target("avx2,fma"))) void walsh_hadamard_avx2(float* x, int64_t n) {
   if (n < 8) return walsh_hadamard_scalar(x, n);
   const __m256 odd = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1), pairs = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
@@ -199,13 +220,15 @@ __attribute__((target("avx2,fma"))) void walsh_hadamard_avx2(float* x, int64_t n
     v = _mm256_fmadd_ps(v, halves, _mm256_permute2f128_ps(v, v, 1));
     _mm256_storeu_ps(x + i, v);
   }
-  for (int64_t h = 8; h < n; h *= 2)
-    for (int64_t i = 0; i < n; i += 2 * h)
-      for (int64_t j = i; j < i + h; j += 8) {
-        const __m256 a = _mm256_loadu_ps(x + j), b = _mm256_loadu_ps(x + j + h);
-        _mm256_storeu_ps(x + j, _mm256_add_ps(a, b));
-        _mm256_storeu_ps(x + j + h, _mm256_sub_ps(a, b));
-      }
+  for (int64_t h = 8; h < n; h *= 8) {  // up to three levels (distances h, 2h, 4h) per pass over x
+    if (h * 2 == n) {
+      hadamard_levels_avx2<1>(x, n, h);
+    } else if (h * 4 == n) {
+      hadamard_levels_avx2<2>(x, n, h);
+    } else {
+      hadamard_levels_avx2<3>(x, n, h);
+    }
+  }
 }
 
 // rotate_scalar compiled for AVX2, with walsh_hadamard_avx2.

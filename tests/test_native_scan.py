@@ -139,6 +139,16 @@ def test_structured_rotations_and_zero_queries_match_torch(kernel, monkeypatch, 
         _assert_same_results(*_search_both(kernel, index, q, 10, **kw))
 
 
+@pytest.mark.parametrize("dim", [300, 784])
+def test_wide_fht_kac_queries_match_torch(kernel, dim: int) -> None:
+    """The kernel's Walsh-Hadamard transform runs up to three levels per pass: FHT-Kac blocks of 256 (a last pass of
+    two levels) and 512 (two passes of three) rotate queries as torch does."""
+    x, q = _data(900, dim, seed=31), _data(6, dim, seed=32)
+    index = Index(dim, 4, "l2", rotation="fht-kac", seed=33)
+    index.add(x)
+    _assert_same_results(*_search_both(kernel, index, q, 10))
+
+
 @pytest.mark.parametrize("dim,bits", [(67, 2.7), (93, 4), (384, 4), (50, 1), (64, 2), (200, 8), (45, 3), (77, 5.5), (50, 6.3)])
 def test_every_kernel_returns_the_same_rows(layout: str, dim: int, bits: float) -> None:
     """The scalar kernel (exact float tables for every row) and the fast scans (8-bit tables, then an exact
