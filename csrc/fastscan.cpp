@@ -388,13 +388,8 @@ __attribute__((target("avx2,fma"))) void quantize_tables(const Plan& plan, const
         vlo = _mm256_min_ps(vlo, _mm256_loadu_ps(row + 8));
         vhi = _mm256_max_ps(vhi, _mm256_loadu_ps(row + 8));
       }
-      alignas(32) float mins[8], maxs[8];
-      _mm256_store_ps(mins, vlo);
-      _mm256_store_ps(maxs, vhi);
-      for (int c = 0; c < 8; ++c) {
-        lo = std::min(lo, mins[c]);
-        hi = std::max(hi, maxs[c]);
-      }
+      lo = lane_min(vlo);
+      hi = lane_max(vhi);
     } else {
       for (int c = 1; c < used; ++c) {
         lo = std::min(lo, row[c]);
