@@ -103,18 +103,22 @@ def recall(found: torch.Tensor, truth: torch.Tensor) -> float:
     return hits / (m * truth.shape[1])
 
 
-def bf16_search(queries: torch.Tensor, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact bf16 search ``torch.topk(Q @ X.T, k)``, chunked over queries so each score block is ≤ SCORE_BLOCK."""
+def query_chunks(queries: torch.Tensor, x: torch.Tensor) -> Iterator[torch.Tensor]:
+    """``queries`` in chunks whose scores against ``x`` stay within SCORE_BLOCK."""
     chunk = max(1, SCORE_BLOCK // x.shape[0])
-    parts = [torch.topk(queries[i:i + chunk] @ x.T, k, dim=1) for i in range(0, queries.shape[0], chunk)]
+    return (queries[i:i + chunk] for i in range(0, queries.shape[0], chunk))
+
+
+def bf16_search(queries: torch.Tensor, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact bf16 search ``torch.topk(Q @ X.T, k)``, chunked over queries (:func:`query_chunks`)."""
+    parts = [torch.topk(q @ x.T, k, dim=1) for q in query_chunks(queries, x)]
     return torch.cat([p.values for p in parts]), torch.cat([p.indices for p in parts])
 
 
 def bf16_matmul(queries: torch.Tensor, x: torch.Tensor) -> None:
     """The matmul of :func:`bf16_search` alone, in the same query chunks (scores dropped)."""
-    chunk = max(1, SCORE_BLOCK // x.shape[0])
-    for i in range(0, queries.shape[0], chunk):
-        queries[i:i + chunk] @ x.T
+    for q in query_chunks(queries, x):
+        q @ x.T
 
 
 # ---------------------------------------------------------------- tqvec pieces

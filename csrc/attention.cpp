@@ -54,16 +54,17 @@ class RowDecoder {
       uniform = op.byte == static_cast<int32_t>(i) && op.count == bytes_[0].count && op.first_channel == op.byte * op.count;
     }
     if (uniform) uniform_count_ = bytes_[0].count;
-    // 3-, 5-, 6- or 7-bit codes of one codebook packed in channel order: 8 channels per `width` bytes
+    // 5-, 6- or 7-bit codes of one codebook packed in channel order: 8 channels per `width` bytes (3-bit codes:
+    // take_three_bit_runs, wherever they stand)
     const int32_t width = steps_.empty() ? 0 : static_cast<int32_t>(__builtin_popcount(steps_[0].mask));
-    bool packed = bytes_.empty() && !steps_.empty() && steps_.size() % 8 == 0 && width >= 3 && width <= 7;
+    bool packed = bytes_.empty() && !steps_.empty() && steps_.size() % 8 == 0 && width >= 5 && width <= 7;
     for (size_t t = 0; packed && t < steps_.size(); ++t) {
       const Step& st = steps_[t];
       packed = st.channel[0] == static_cast<int32_t>(t) && st.channel[1] < 0 && st.mask == steps_[0].mask &&
                st.byte * 8 + st.shift == width * static_cast<int32_t>(t) &&
                std::equal(st.level, st.level + st.size, steps_[0].level);  // one codebook
     }
-    if (packed && width != 3) packed_width_ = width;
+    if (packed) packed_width_ = width;
     take_three_bit_runs();
   }
 

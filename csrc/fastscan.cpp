@@ -679,10 +679,7 @@ __attribute__((target("avx2,fma"))) inline float exact_dot_avx2(const ExactSteps
       acc1 = _mm256_fmadd_ps(v1, _mm256_loadu_ps(q + 16 * g + 8), acc1);
     }
   }
-  alignas(32) float part[8];
-  _mm256_store_ps(part, _mm256_add_ps(acc0, acc1));
-  const float runs = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-  return runs + exact_dot(steps, lut, row);
+  return lane_sum(_mm256_add_ps(acc0, acc1)) + exact_dot(steps, lut, row);
 }
 
 // exact_dot_avx2 with AVX-512's 16-entry permute: a 4-bit run's level table is one register, 32 channels (16 bytes)
@@ -719,9 +716,7 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) float exact_dot_avx512(cons
   alignas(64) float part[16];
   _mm512_store_ps(part, _mm512_add_ps(acc0, acc1));
   const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_load_ps(part), _mm256_load_ps(part + 8)), acc3);
-  _mm256_store_ps(part, sum);
-  const float runs = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-  return runs + exact_dot(steps, lut, row);
+  return lane_sum(sum) + exact_dot(steps, lut, row);
 }
 
 // Rows of one sign block that one query of a work item scores exactly (two-stage scan): lanes[0 .. n) of block b, in

@@ -27,7 +27,6 @@ float dot_scalar(const float* a, const float* b, int64_t n) {
   return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
-
 // Sum of x[d]^2 in double precision (NaN or Inf in x make it non-finite; a float32 squared cannot overflow it).
 double squared_norm_scalar(const float* x, int64_t n) {
   double s[4] = {0.0, 0.0, 0.0, 0.0};
@@ -76,9 +75,7 @@ __attribute__((target("avx2,fma"))) void matvec_avx2(const float* m, int64_t row
       }
     }
     for (int i = 0; i < 4; ++i) {
-      alignas(32) float part[8];
-      _mm256_store_ps(part, _mm256_add_ps(acc[2 * i], acc[2 * i + 1]));
-      float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+      float sum = lane_sum(_mm256_add_ps(acc[2 * i], acc[2 * i + 1]));
       for (int64_t d = c; d < n; ++d) sum += m[(r + i) * n + d] * x[d];
       y[r + i] = sum;
     }
@@ -109,9 +106,7 @@ __attribute__((target("avx2,fma"))) void matmat_avx2(const float* m, int64_t row
       for (int64_t j = 0; j < g; ++j) acc[j] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + j * n + c), acc[j]);
     }
     for (int64_t j = 0; j < g; ++j) {
-      alignas(32) float part[8];
-      _mm256_store_ps(part, acc[j]);
-      float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+      float sum = lane_sum(acc[j]);
       for (int64_t d = wide; d < n; ++d) sum += row[d] * x[j * n + d];
       y[j * rows + r] = sum;
     }
