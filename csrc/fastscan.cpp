@@ -1,6 +1,7 @@
 // Fast-scan top-k search over packed TurboQuant codes: see fastscan.h for the contract.
 #include "fastscan.h"
 
+#include "int8_scan.h"
 #include "parallel.h"
 #include "vector_math.h"
 
@@ -353,10 +354,11 @@ struct PlanSteps {
   ExactSteps exact;       // every step from the float tables (exact_dot)
   ExactSteps exact_runs;  // with runs of 4- and 3-bit codes decoded by exact_dot_avx2
   StepOps ops;            // the SIMD kernels' reading of the plan's steps (at most 4 bits each)
+  Int8Decoder int8;       // the rows as signed bytes, for the int8 batch kernel
 };
 
 std::shared_ptr<const PlanSteps> plan_steps(const Plan& plan) {
-  return std::make_shared<const PlanSteps>(PlanSteps{exact_steps(plan), exact_steps(plan, true), step_ops(plan)});
+  return std::make_shared<const PlanSteps>(PlanSteps{exact_steps(plan), exact_steps(plan, true), step_ops(plan), int8_decoder(plan)});
 }
 
 namespace {
@@ -906,6 +908,103 @@ void write_best(int64_t k, std::vector<Candidate>& cands, float* values, int64_t
   }
 }
 
+// Candidates of each query of each work item (found[i][j]: query work[i].query + j), and their exact-score counts.
+using ItemCandidates = std::vector<std::vector<std::vector<Candidate>>>;
+
+// Adds up each query's exact scores over its items into a.out_exact (when asked for).
+void write_exact_counts(const SearchArgs& a, const std::vector<Work>& work, const std::vector<std::vector<int64_t>>& exact_counts) {
+  if (!a.out_exact) return;
+  std::fill(a.out_exact, a.out_exact + a.nq, int64_t{0});
+  for (size_t i = 0; i < work.size(); ++i)
+    for (size_t j = 0; j < exact_counts[i].size(); ++j) a.out_exact[work[i].query + static_cast<int64_t>(j)] += exact_counts[i][j];
+}
+
+// Writes each query's best k of the (exactly scored) candidates of all its items.
+void merge_items(const SearchArgs& a, const std::vector<Work>& work, const ItemCandidates& found, int threads) {
+  std::vector<size_t> first_item(static_cast<size_t>(a.nq) + 1, work.size());
+  for (size_t i = work.size(); i-- > 0;)
+    for (int64_t q = work[i].query; q < work[i].query_end; ++q) first_item[q] = i;
+  auto merge_queries = [&](size_t begin, size_t end) {
+    for (size_t q = begin; q < end; ++q) {
+      std::vector<Candidate> cands;
+      for (size_t i = first_item[q]; i < work.size() && work[i].query <= static_cast<int64_t>(q); ++i)
+        if (static_cast<int64_t>(q) < work[i].query_end) {
+          const auto& part = found[i][q - work[i].query];
+          cands.insert(cands.end(), part.begin(), part.end());
+        }
+      write_best(a.k, cands, a.out_values + q * a.k, a.out_rows + q * a.k);
+    }
+  };
+  parallel_for(static_cast<size_t>(a.nq), threads, merge_queries, 16);
+}
+
+#ifdef TQVEC_X86
+constexpr int64_t kInt8MinQueries = 32;   // queries per work item below which decoding each row costs too much per query
+constexpr int64_t kInt8MaxQueries = 512;  // queries per work item at most (their bytes stay in L2)
+
+// True when the int8 batch kernel serves the search: a flat batch (one group of rows in order, probed once per
+// query or not at all) of at least kInt8MinQueries queries over codes of the two-stage layouts (3 bits per channel
+// or more), on a CPU with AVX-512 VNNI, allowed by max_isa.
+bool int8_batch(const SearchArgs& a, Isa max_isa) {
+  const bool flat = a.groups.n_groups == 1 && a.groups.list_rows == nullptr && (a.groups.probe == nullptr || a.groups.n_probe == 1);
+  return max_isa >= Isa::kAvx512Vnni && flat && a.signs != nullptr && a.rescore > 0 && a.nq >= kInt8MinQueries &&
+         has_avx512_vnni();
+}
+
+// The flat batch by int8 products (int8_scan.h): per work item (up to kInt8MaxQueries queries and a slice of the
+// rows), the max(k, rescore) best rows of each query by the int8 estimate, scored exactly with the float tables.
+__attribute__((target("avx512f,avx512bw,avx2,fma"))) const char* search_int8(const SearchArgs& a, const PlanSteps& steps,
+                                                                          int threads) {
+  const int64_t lo = a.groups.offsets[0], hi = a.groups.offsets[1];
+  const int64_t keep = std::min<int64_t>(std::max(a.k, a.rescore), std::max<int64_t>(1, a.rows.n));
+  const int64_t per_item = std::clamp<int64_t>((a.nq + threads - 1) / threads, kInt8MinQueries, kInt8MaxQueries);
+  const int64_t items = (a.nq + per_item - 1) / per_item;
+  const int64_t parts = items >= threads ? 1 : std::max<int64_t>(1, std::min<int64_t>(threads / items, (hi - lo) / kMinRowsPerPart));
+  std::vector<Work> work;
+  for (int64_t q = 0; q < a.nq; q += per_item)
+    for (int64_t p = 0; p < parts; ++p)
+      work.push_back({q, std::min(a.nq, q + per_item), 0, 0, lo + (hi - lo) * p / parts, lo + (hi - lo) * (p + 1) / parts});
+  ItemCandidates found(work.size());
+  std::vector<std::vector<int64_t>> exact_counts(work.size());
+  const ExactSteps& exact = steps.exact_runs;
+  auto scan_items = [&](size_t begin, size_t end) {
+    std::unique_ptr<float[]> lut(new float[table_entries(a.plan)]);
+    std::unique_ptr<float[]> query(new float[static_cast<size_t>(a.dim)]);
+    for (size_t i = begin; i < end; ++i) {
+      const Work& w = work[i];
+      std::vector<std::vector<int64_t>> rows(static_cast<size_t>(w.query_end - w.query));
+      int8_candidates(steps.int8, a.rows, w.part_begin, w.part_end, a.queries + w.query * a.dim, w.query_end - w.query, a.dim,
+                      keep, rows);
+      for (size_t j = 0; j < rows.size(); ++j) {
+        const int64_t at = w.query + static_cast<int64_t>(j);
+        const float* q = a.queries + at * a.dim;
+        const bool probed = a.groups.probe == nullptr || a.groups.probe[at] == 0;  // -1: the query scans nothing
+        const float constant = a.groups.probe_constant ? a.groups.probe_constant[at] : 0.0f;
+        float_tables_avx2(a.plan, &exact.table_steps, q, lut.get());
+        run_query_order(exact, q, a.dim, kRunChunkAvx512, query.get());
+        std::vector<Candidate> cands;
+        cands.reserve(rows[j].size());
+        for (const int64_t r : rows[j]) {
+          if (!probed) break;
+          const float dot = exact_dot_avx512(exact, lut.get(), a.plan.level, query.get(), a.rows.packed + r * a.rows.row_bytes);
+          cands.push_back({finish(a.rows, r, dot, constant), r, constant});
+        }
+        exact_counts[i].push_back(static_cast<int64_t>(cands.size()));
+        if (parts == 1) {
+          write_best(a.k, cands, a.out_values + at * a.k, a.out_rows + at * a.k);
+        } else {
+          found[i].push_back(std::move(cands));
+        }
+      }
+    }
+  };
+  parallel_for(work.size(), threads, scan_items);
+  write_exact_counts(a, work, exact_counts);
+  if (parts > 1) merge_items(a, work, found, threads);
+  return "avx512-vnni";
+}
+#endif  // TQVEC_X86
+
 }  // namespace
 
 bool has_avx2() {
@@ -1159,6 +1258,12 @@ SignStore arrange_high_bits(const Rows& rows, const Plan& plan, int64_t channels
 }
 
 const char* search(const SearchArgs& a, Isa max_isa) {
+#ifdef TQVEC_X86
+  if (int8_batch(a, max_isa)) {
+    std::shared_ptr<const PlanSteps> derived;  // when the caller has none
+    return search_int8(a, a.steps ? *a.steps : *(derived = plan_steps(a.plan)), std::max(1, a.threads));
+  }
+#endif
   const bool narrow = std::all_of(a.plan.width, a.plan.width + a.plan.n_steps, [](int32_t w) { return w <= 4; });
   const bool vector_isa = max_isa >= Isa::kAvx2 && has_avx2() && a.rescore > 0;
   const bool two_stage = vector_isa && a.signs != nullptr;
@@ -1203,7 +1308,7 @@ const char* search(const SearchArgs& a, Isa max_isa) {
   const PlanSteps& steps = a.steps ? *a.steps : *(derived = plan_steps(a.plan));
   const ExactSteps& exact = steps.exact;
   // candidates per item and query of the item, kept for the merge when a query's rows are split across items
-  std::vector<std::vector<std::vector<Candidate>>> found(work.size());
+  ItemCandidates found(work.size());
   std::vector<std::vector<int64_t>> exact_counts(work.size());  // rows scored exactly, per item and query of the item
   for (size_t i = 0; i < work.size(); ++i) exact_counts[i].resize(static_cast<size_t>(work[i].query_end - work[i].query));
 #ifdef TQVEC_X86
@@ -1267,30 +1372,9 @@ const char* search(const SearchArgs& a, Isa max_isa) {
     }
   };
   parallel_for(work.size(), threads, scan_items);
-  if (a.out_exact) {
-    std::fill(a.out_exact, a.out_exact + a.nq, int64_t{0});
-    for (size_t i = 0; i < work.size(); ++i)
-      for (size_t j = 0; j < exact_counts[i].size(); ++j) a.out_exact[work[i].query + static_cast<int64_t>(j)] += exact_counts[i][j];
-  }
-  const char* kernel = two_stage ? (avx512 ? "avx512-two-stage" : "avx2-two-stage") : avx512 ? "avx512" : simd ? "avx2" : "scalar";
-  if (parts == 1) return kernel;  // each query was answered by its only item
-  // Merge the (exactly scored) candidates of each query's items.
-  std::vector<size_t> first_item(static_cast<size_t>(a.nq) + 1, work.size());
-  for (size_t i = work.size(); i-- > 0;)
-    for (int64_t q = work[i].query; q < work[i].query_end; ++q) first_item[q] = i;
-  auto merge_queries = [&](size_t begin, size_t end) {
-    for (size_t q = begin; q < end; ++q) {
-      std::vector<Candidate> cands;
-      for (size_t i = first_item[q]; i < work.size() && work[i].query <= static_cast<int64_t>(q); ++i)
-        if (static_cast<int64_t>(q) < work[i].query_end) {
-          const auto& part = found[i][q - work[i].query];
-          cands.insert(cands.end(), part.begin(), part.end());
-        }
-      write_best(a.k, cands, a.out_values + q * a.k, a.out_rows + q * a.k);
-    }
-  };
-  parallel_for(static_cast<size_t>(a.nq), threads, merge_queries, 16);
-  return kernel;
+  write_exact_counts(a, work, exact_counts);
+  if (parts > 1) merge_items(a, work, found, threads);  // else each query was answered by its only item
+  return two_stage ? (avx512 ? "avx512-two-stage" : "avx2-two-stage") : avx512 ? "avx512" : simd ? "avx2" : "scalar";
 }
 
 }  // namespace tqvec

@@ -170,10 +170,51 @@ def test_every_kernel_returns_the_same_rows(layout: str, dim: int, bits: float) 
         values, rows, used, _ = _fastscan._native.search(plan.handle, source, rotated.numpy(), probe, constant, 10, 64,
                                                       _fastscan.CONFIDENCE, 1, isa)
         two_stage = chosen in ("signs", "high-pairs", "high-nibbles")
-        assert used == ("scalar" if not isa or chosen == "lists" else name + ("-two-stage" if two_stage else ""))
+        simd_name = "avx512" if name == "avx512-vnni" else name  # the int8 kernel serves flat batches only
+        assert used == ("scalar" if not isa or chosen == "lists" else simd_name + ("-two-stage" if two_stage else ""))
         out[name] = (values, rows)
     for name in _fastscan.kernels()[1:]:
         _assert_same_results(out["scalar"], out[name])
+
+
+@pytest.mark.parametrize("dim,bits", [(93, 3), (384, 4), (45, 3.5), (67, 3.2), (77, 5.5), (200, 8)])
+def test_flat_batches_by_int8_products_return_the_same_rows(monkeypatch, dim: int, bits: float) -> None:
+    """A flat batch of 70 queries over 1,001 rows (with AVX-512 VNNI the int8 kernel: rows decoded to byte levels,
+    byte runs of 4-bit codes, 3-bit runs, single steps and straddling codes, 16-query tiles with a partial last one,
+    candidates re-scored exactly) returns the scalar kernel's rows, with per-query constants and k past the rows."""
+    if not _fastscan.simd():
+        pytest.skip("this CPU has no AVX2 + FMA: only the scalar kernel exists")
+    monkeypatch.setattr(_fastscan, "TWO_STAGE_MIN_CHANNELS", 1)
+    quantizer = TurboQuantizer(dim, bits, seed=11, rescale=True)
+    codes = quantizer.encode(_data(1001, dim, seed=12))
+    rotated = quantizer.rotate_queries(_data(70, dim, seed=13))[0].numpy()
+    plan = quantizer.table("cpu").native_plan()
+    source = _fastscan.rows(codes.packed, codes.scales, torch.linspace(-1, 1, 1001), plan)
+    probe = np.zeros((70, 1), np.int64)
+    constant = np.random.default_rng(14).standard_normal((70, 1)).astype(np.float32)
+    for k in (10, 1200):
+        out = {}
+        for isa, name in enumerate(_fastscan.kernels()):
+            values, rows, used, exact = _fastscan._native.search(plan.handle, source, rotated, probe, constant, k,
+                                                                 _fastscan.rescore_count(k), _fastscan.CONFIDENCE, 2, isa)
+            if name == "avx512-vnni":
+                assert used == name and np.all(exact == min(1001, max(k, _fastscan.rescore_count(k))))
+            out[name] = (values, rows)
+        for name in _fastscan.kernels()[1:]:
+            _assert_same_results(out["scalar"], out[name])
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
+@pytest.mark.parametrize("bits,correction", [(3, "auto"), (4, "center"), (4.5, "none"), (8, "rescale")])
+def test_flat_index_batches_match_torch(kernel, monkeypatch, metric: str, bits: float, correction: str) -> None:
+    """Index.search of a batch large enough for the int8 kernel (where the CPU has AVX-512 VNNI), with removals."""
+    monkeypatch.setattr(_fastscan, "TWO_STAGE_MIN_CHANNELS", 1)
+    x, q = _data(1001, 93, seed=15), _data(70, 93, seed=16)
+    index = Index(93, bits, metric, correction=correction, seed=17)
+    index.add(x)
+    index.remove(np.arange(0, 1001, 7))
+    _assert_same_results(*_search_both(kernel, index, q, 10))
+    _assert_same_results(*_search_both(kernel, index, q[:40], 1000))  # k > n pads alike
 
 
 def test_two_stage_layout_copies_codes_only_for_lists(monkeypatch) -> None:

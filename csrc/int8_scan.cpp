@@ -1,0 +1,350 @@
+// Candidates of a batch of queries by 8-bit integer products: see int8_scan.h for the contract.
+#include "int8_scan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define TQVEC_X86 1
+#endif
+
+namespace tqvec {
+namespace {
+
+constexpr int kLanes = 16;       // queries per 512-bit vector of 32-bit sums
+constexpr int kRowsPerCall = 12;  // rows whose sums one call of `products` keeps in registers (2 x 12 accumulators)
+constexpr int kRunChunk = 32;     // bytes of a byte run decoded by one pair of shuffles
+constexpr int64_t kTileBytes = 64 * 1024;  // decoded rows held at once (they stay in L2 while every query reads them)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+const float* step_levels(const Plan& plan, int t) { return plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[t]; }
+
+int covered(const Plan& plan, int t) {
+  int n = 0;
+  while (n < kMaxStepChannels && plan.channel[t * kMaxStepChannels + n] >= 0) ++n;
+  return n;
+}
+
+// True when step t is the low nibble and step t + 1 the high nibble of one byte, each one channel's 4-bit code,
+// both with the 16 levels of step `first`.
+bool run_byte(const Plan& plan, int t, int first) {
+  if (t + 1 >= plan.n_steps || plan.byte[t + 1] != plan.byte[t] || plan.shift[t] != 0 || plan.shift[t + 1] != 4 ||
+      plan.width[t] != 4 || plan.width[t + 1] != 4 || covered(plan, t) != 1 || covered(plan, t + 1) != 1)
+    return false;
+  const float* table = step_levels(plan, first);
+  return std::equal(table, table + 16, step_levels(plan, t)) && std::equal(table, table + 16, step_levels(plan, t + 1));
+}
+
+// True when steps t .. t + 7 are 8 channels' 3-bit codes packed from the start of byte[t], with the 8 levels of
+// step `first`.
+bool three_bit_group(const Plan& plan, int t, int first) {
+  if (t + 8 > plan.n_steps || plan.shift[t] != 0) return false;
+  const float* table = step_levels(plan, first);
+  for (int i = 0; i < 8; ++i) {
+    const int u = t + i;
+    if (plan.width[u] != 3 || covered(plan, u) != 1 || 8 * plan.byte[u] + plan.shift[u] != 8 * plan.byte[t] + 3 * i ||
+        !std::equal(table, table + 8, step_levels(plan, u)))
+      return false;
+  }
+  return true;
+}
+
+int8_t to_byte(float level, float scale) {
+  return static_cast<int8_t>(std::clamp(std::lround(level * scale), -127L, 127L));
+}
+
+// The best `capacity` rows of one query by estimate: rows beating the threshold are appended to a buffer of twice
+// that size, which, when full, keeps its best `capacity` (nth_element) and raises the threshold to the least of them.
+// A row costs one store, not a heap update: most rows that enter a flat scan's top list leave it again.
+class Best {
+ public:
+  explicit Best(int64_t capacity) : capacity_(static_cast<size_t>(capacity)) { items_.reserve(2 * capacity_); }
+
+  // The estimate a row must beat to enter.
+  float threshold() const { return threshold_; }
+
+  void push(float estimate, int64_t row) {
+    items_.push_back({estimate, row});
+    if (items_.size() == 2 * capacity_) shrink();
+  }
+
+  void append_rows(std::vector<int64_t>& out) {
+    if (items_.size() > capacity_) shrink();
+    for (const auto& item : items_) out.push_back(item.second);
+  }
+
+ private:
+  void shrink() {
+    std::nth_element(items_.begin(), items_.begin() + static_cast<std::ptrdiff_t>(capacity_ - 1), items_.end(),
+                     [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) { return a.first > b.first; });
+    items_.resize(capacity_);
+    threshold_ = items_.back().first;
+  }
+
+  size_t capacity_;
+  float threshold_ = kNegInf;
+  std::vector<std::pair<float, int64_t>> items_;
+};
+
+#ifdef TQVEC_X86
+constexpr __mmask16 kAll16 = 0xFFFF;  // the masked forms: GCC 12 warns that the plain ones read an undefined register
+#define TQVEC_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,bmi2")))
+
+// Decodes `row` into out (decoder.width bytes; the padding bytes past the channels are left as they are).
+TQVEC_VNNI void decode_row(const Int8Decoder& d, const uint8_t* row, int8_t* out) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (const Int8Decoder::ByteRun& run : d.runs) {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d.run_levels.data() + 16 * run.table)));
+    for (int32_t first = 0; first < run.bytes; first += kRunChunk) {
+      const int n = std::min(kRunChunk, run.bytes - first);
+      const __mmask32 mask = n == kRunChunk ? ~__mmask32{0} : (__mmask32{1} << n) - 1;
+      const __m256i bytes = _mm256_maskz_loadu_epi8(mask, row + run.byte + first);
+      const __m256i low = _mm256_shuffle_epi8(table, _mm256_and_si256(bytes, nibble));
+      const __m256i high = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble));
+      int8_t* dst = out + run.out + 2 * first;
+      _mm256_mask_storeu_epi8(dst, mask, low);
+      _mm256_mask_storeu_epi8(dst + n, mask, high);
+    }
+  }
+  for (const Int8Decoder::ThreeBitRun& run : d.three_bit_runs) {
+    const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(d.run_levels.data() + 16 * run.table));
+    const uint8_t* bytes = row + run.byte;
+    for (int32_t g = 0; g < run.groups; ++g, bytes += 3) {  // the group's 3 bytes only: a 4-byte load could pass the row's end
+      const uint64_t bits = bytes[0] | (static_cast<uint64_t>(bytes[1]) << 8) | (static_cast<uint64_t>(bytes[2]) << 16);
+      const __m128i codes = _mm_cvtsi64_si128(static_cast<long long>(_pdep_u64(bits, 0x0707070707070707ULL)));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(out + run.out + 8 * g), _mm_shuffle_epi8(table, codes));
+    }
+  }
+  for (const Int8Decoder::Step& s : d.steps) {
+    unsigned bits = row[s.byte];
+    if (s.shift + s.width > 8) bits |= static_cast<unsigned>(row[s.byte + 1]) << 8;
+    const int8_t* level = d.step_levels.data() + s.entry + ((bits >> s.shift) & ((1u << s.width) - 1u)) * s.channels;
+    for (int j = 0; j < s.channels; ++j) out[s.out[j]] = level[j];
+  }
+}
+
+// Sum of the `width` signed bytes of a decoded row.
+TQVEC_VNNI int32_t byte_sum(const int8_t* row, int64_t width) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i acc = _mm512_setzero_si512();
+  for (int64_t i = 0; i < width; i += 64) {
+    const int64_t n = std::min<int64_t>(64, width - i);
+    const __mmask64 mask = n == 64 ? ~__mmask64{0} : (__mmask64{1} << n) - 1;
+    acc = _mm512_dpbusd_epi32(acc, ones, _mm512_maskz_loadu_epi8(mask, row + i));
+  }
+  alignas(64) int32_t lanes[kLanes];  // through memory: GCC 12 warns on the reduction's 256-bit extract
+  _mm512_store_si512(lanes, acc);
+  int32_t sum = 0;
+  for (const int32_t lane : lanes) sum += lane;
+  return sum;
+}
+
+// The 32-bit sums of `V` tiles of 16 queries (qt[v]: (groups, 16 lanes, 4 bytes)) with kRowsPerCall decoded rows
+// (`stride` bytes apart), written to sums[(r * V + v) * 16 + lane].
+template <int V>
+TQVEC_VNNI void products(const uint8_t* const* qt, const int8_t* rows, int64_t stride, int64_t groups, int32_t* sums) {
+  __m512i acc[V][kRowsPerCall];
+  for (int v = 0; v < V; ++v)
+    for (int r = 0; r < kRowsPerCall; ++r) acc[v][r] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i q[V];
+    for (int v = 0; v < V; ++v) q[v] = _mm512_load_si512(qt[v] + 64 * g);
+#pragma GCC unroll 12
+    for (int r = 0; r < kRowsPerCall; ++r) {
+      int32_t word;
+      std::memcpy(&word, rows + r * stride + 4 * g, sizeof(word));
+      const __m512i b = _mm512_set1_epi32(word);
+      for (int v = 0; v < V; ++v) acc[v][r] = _mm512_dpbusd_epi32(acc[v][r], q[v], b);
+    }
+  }
+  for (int r = 0; r < kRowsPerCall; ++r)
+    for (int v = 0; v < V; ++v) _mm512_storeu_si512(sums + (r * V + v) * kLanes, acc[v][r]);
+}
+
+// The queries of a batch as products reads them: per tile of 16, (groups, 16, 4) unsigned bytes, and per query
+// 1 / (s_q * level_scale).
+struct QueryTiles {
+  int64_t tiles = 0, groups = 0;
+  std::unique_ptr<uint8_t[], void (*)(void*)> bytes{nullptr, std::free};
+  std::vector<float> inverse;  // (tiles * 16,), 0 for padding lanes
+
+  const uint8_t* tile(int64_t t) const { return bytes.get() + t * groups * 64; }
+};
+
+QueryTiles query_tiles(const Int8Decoder& d, const float* queries, int64_t nq, int64_t dim) {
+  QueryTiles out;
+  out.tiles = (nq + kLanes - 1) / kLanes;
+  out.groups = d.width / 4;
+  const size_t size = static_cast<size_t>(out.tiles * out.groups * 64);
+  out.bytes.reset(static_cast<uint8_t*>(std::aligned_alloc(64, std::max<size_t>(64, size))));
+  std::memset(out.bytes.get(), 128, size);  // padding lanes and channels: the value 0
+  out.inverse.assign(static_cast<size_t>(out.tiles * kLanes), 0.0f);
+  for (int64_t q = 0; q < nq; ++q) {
+    const float* x = queries + q * dim;
+    float top = 0.0f;
+    for (int64_t c = 0; c < dim; ++c) top = std::max(top, std::fabs(x[c]));
+    const float scale = top > 0.0f ? 127.0f / top : 1.0f;
+    out.inverse[q] = 1.0f / (scale * d.level_scale);
+    uint8_t* tile = out.bytes.get() + (q / kLanes) * out.groups * 64 + 4 * (q % kLanes);
+    for (int64_t i = 0; i < d.width; ++i) {
+      const int32_t c = d.channel_of[i];
+      if (c >= 0) tile[(i / 4) * 64 + i % 4] = static_cast<uint8_t>(std::clamp(std::lround(x[c] * scale), -127L, 127L) + 128);
+    }
+  }
+  return out;
+}
+
+// Offers rows [first, first + n) (n <= kRowsPerCall) of a products call over tiles [tile, tile + V) to the queries.
+template <int V>
+TQVEC_VNNI void offer(const int32_t* sums, const int32_t* correction, const float* scale, const float* bias, int64_t first,
+                      int n, int64_t tile, int64_t nq, const QueryTiles& queries, std::vector<Best>& best,
+                      std::vector<float>& threshold) {
+  for (int r = 0; r < n; ++r) {
+    const __m512i shift = _mm512_set1_epi32(correction[r]);
+    const __m512 gain = _mm512_set1_ps(scale[r]), offset = _mm512_set1_ps(bias[r]);
+    for (int v = 0; v < V; ++v) {
+      const int64_t q0 = (tile + v) * kLanes;
+      const __m512i sum = _mm512_sub_epi32(_mm512_loadu_si512(sums + (r * V + v) * kLanes), shift);
+      const __m512 dot = _mm512_mul_ps(_mm512_maskz_cvtepi32_ps(kAll16, sum), _mm512_loadu_ps(queries.inverse.data() + q0));
+      const __m512 estimate = _mm512_fmadd_ps(dot, gain, offset);
+      __mmask16 passing = _mm512_cmp_ps_mask(estimate, _mm512_loadu_ps(threshold.data() + q0), _CMP_GT_OQ);
+      if (nq - q0 < kLanes) passing &= static_cast<__mmask16>((1u << (nq - q0)) - 1u);
+      if (!passing) continue;
+      alignas(64) float value[kLanes];
+      _mm512_store_ps(value, estimate);
+      for (unsigned bits = passing; bits; bits &= bits - 1) {
+        const int64_t q = q0 + __builtin_ctz(bits);
+        best[q].push(value[__builtin_ctz(bits)], first + r);
+        threshold[q] = best[q].threshold();
+      }
+    }
+  }
+}
+
+TQVEC_VNNI void candidates_vnni(const Int8Decoder& d, const Rows& rows, int64_t row_begin, int64_t row_end, const float* queries,
+                                int64_t nq, int64_t dim, int64_t keep, std::vector<std::vector<int64_t>>& out) {
+  const QueryTiles tiles = query_tiles(d, queries, nq, dim);
+  std::vector<Best> best(static_cast<size_t>(nq), Best(keep));
+  std::vector<float> threshold(static_cast<size_t>(tiles.tiles * kLanes), kNegInf);
+  const int64_t stride = d.width;
+  const int64_t tile_rows = std::max<int64_t>(1, kTileBytes / std::max<int64_t>(1, stride) / kRowsPerCall) * kRowsPerCall;
+  std::vector<int8_t> decoded(static_cast<size_t>(tile_rows * stride), 0);
+  std::vector<int32_t> correction(static_cast<size_t>(tile_rows));
+  std::vector<float> scale(static_cast<size_t>(tile_rows)), bias(static_cast<size_t>(tile_rows));
+  alignas(64) int32_t sums[2 * kRowsPerCall * kLanes];
+  for (int64_t start = row_begin; start < row_end; start += tile_rows) {
+    const int64_t n = std::min(tile_rows, row_end - start);
+    for (int64_t r = 0; r < n; ++r) {
+      int8_t* dst = decoded.data() + r * stride;
+      decode_row(d, rows.packed + (start + r) * rows.row_bytes, dst);
+      correction[r] = 128 * byte_sum(dst, d.width);
+      scale[r] = rows.scale ? rows.scale[start + r] : 1.0f;
+      bias[r] = rows.bias ? rows.bias[start + r] : 0.0f;
+    }
+    for (int64_t t = 0; t < tiles.tiles; t += 2) {
+      const uint8_t* qt[2] = {tiles.tile(t), t + 1 < tiles.tiles ? tiles.tile(t + 1) : nullptr};
+      for (int64_t r = 0; r < n; r += kRowsPerCall) {
+        const int count = static_cast<int>(std::min<int64_t>(kRowsPerCall, n - r));
+        const int8_t* block = decoded.data() + r * stride;
+        if (qt[1]) {
+          products<2>(qt, block, stride, tiles.groups, sums);
+          offer<2>(sums, &correction[r], &scale[r], &bias[r], start + r, count, t, nq, tiles, best, threshold);
+        } else {
+          products<1>(qt, block, stride, tiles.groups, sums);
+          offer<1>(sums, &correction[r], &scale[r], &bias[r], start + r, count, t, nq, tiles, best, threshold);
+        }
+      }
+    }
+  }
+  for (int64_t q = 0; q < nq; ++q) best[q].append_rows(out[q]);
+}
+#endif  // TQVEC_X86
+
+}  // namespace
+
+Int8Decoder int8_decoder(const Plan& plan) {
+  Int8Decoder d;
+  float top = 0.0f;
+  for (int t = 0; t < plan.n_steps; ++t) {
+    const int size = 1 << plan.width[t];
+    for (int j = 0; j < covered(plan, t); ++j)
+      for (int code = 0; code < size; ++code) top = std::max(top, std::fabs(step_levels(plan, t)[j * size + code]));
+  }
+  d.level_scale = top > 0.0f ? 127.0f / top : 1.0f;
+  int32_t out = 0;
+  for (int t = 0; t < plan.n_steps;) {
+    if (run_byte(plan, t, t)) {
+      Int8Decoder::ByteRun run{plan.byte[t], 0, out, static_cast<int32_t>(d.run_levels.size() / 16)};
+      for (int i = 0; i < 16; ++i) d.run_levels.push_back(to_byte(step_levels(plan, t)[i], d.level_scale));
+      std::vector<int32_t> low, high;  // the channels of the run's bytes
+      const int first = t;
+      while (run_byte(plan, t, first) && plan.byte[t] == run.byte + run.bytes) {
+        low.push_back(plan.channel[t * kMaxStepChannels]);
+        high.push_back(plan.channel[(t + 1) * kMaxStepChannels]);
+        ++run.bytes;
+        t += 2;
+      }
+      d.channel_of.resize(static_cast<size_t>(out + 2 * run.bytes), -1);
+      for (int32_t i = 0; i < run.bytes; ++i) {  // chunk c's low nibbles, then its high ones
+        const int32_t chunk = i / kRunChunk, n = std::min(kRunChunk, run.bytes - kRunChunk * chunk), at = i % kRunChunk;
+        d.channel_of[static_cast<size_t>(out + 2 * kRunChunk * chunk + at)] = low[static_cast<size_t>(i)];
+        d.channel_of[static_cast<size_t>(out + 2 * kRunChunk * chunk + n + at)] = high[static_cast<size_t>(i)];
+      }
+      out += 2 * run.bytes;
+      d.runs.push_back(run);
+      continue;
+    }
+    if (three_bit_group(plan, t, t)) {
+      Int8Decoder::ThreeBitRun run{plan.byte[t], 0, out, static_cast<int32_t>(d.run_levels.size() / 16)};
+      for (int i = 0; i < 16; ++i) d.run_levels.push_back(i < 8 ? to_byte(step_levels(plan, t)[i], d.level_scale) : 0);
+      const int first = t;
+      while (three_bit_group(plan, t, first) && plan.byte[t] == run.byte + 3 * run.groups &&
+             plan.channel[t * kMaxStepChannels] == plan.channel[first * kMaxStepChannels] + 8 * run.groups) {
+        for (int i = 0; i < 8; ++i) d.channel_of.push_back(plan.channel[(t + i) * kMaxStepChannels]);
+        ++run.groups;
+        t += 8;
+      }
+      out += 8 * run.groups;
+      d.three_bit_runs.push_back(run);
+      continue;
+    }
+    const int n = covered(plan, t), size = 1 << plan.width[t];
+    Int8Decoder::Step step{plan.byte[t], plan.shift[t], plan.width[t], n, static_cast<int32_t>(d.step_levels.size()), {-1, -1, -1, -1}};
+    for (int code = 0; code < size; ++code)
+      for (int j = 0; j < n; ++j) d.step_levels.push_back(to_byte(step_levels(plan, t)[j * size + code], d.level_scale));
+    for (int j = 0; j < n; ++j) {
+      step.out[j] = out++;
+      d.channel_of.push_back(plan.channel[t * kMaxStepChannels + j]);
+    }
+    d.steps.push_back(step);
+    ++t;
+  }
+  d.width = (out + 3) / 4 * 4;
+  d.channel_of.resize(static_cast<size_t>(d.width), -1);
+  return d;
+}
+
+bool has_avx512_vnni() {
+#ifdef TQVEC_X86
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("bmi2");
+#else
+  return false;
+#endif
+}
+
+void int8_candidates(const Int8Decoder& decoder, const Rows& rows, int64_t row_begin, int64_t row_end,
+                     const float* queries, int64_t nq, int64_t dim, int64_t keep, std::vector<std::vector<int64_t>>& out) {
+#ifdef TQVEC_X86
+  candidates_vnni(decoder, rows, row_begin, row_end, queries, nq, dim, keep, out);
+#else
+  (void)decoder, (void)rows, (void)row_begin, (void)row_end, (void)queries, (void)nq, (void)dim, (void)keep, (void)out;
+#endif
+}
+
+}  // namespace tqvec

@@ -1,0 +1,60 @@
+// Batches of queries against the same rows with 8-bit integer products (AVX-512 VNNI): the candidates of a flat
+// batch search.
+//
+// Each row decodes (by the search's plan) to its levels rounded to signed bytes, l8 = round(level * level_scale)
+// with one level_scale for the plan (the largest level maps to 127); each query to unsigned bytes,
+// q8 = round(q * s_q) + 128 with s_q = 127 / max |q_c|. One VPDPBUSD adds four byte products of 16 queries (its
+// lanes) and one row (its broadcast operand), so
+//   sum_c q8_c * l8_c - 128 * sum_c l8_c = s_q * level_scale * <q, o> + (the two roundings' error),
+// and the estimate of a row's score is scale * that / (s_q * level_scale) + bias. A decoded row is read by every
+// query of a batch while it is in cache, so its decoding costs little per query once a batch holds a few dozen
+// queries; the rows with the best estimates are then scored exactly by the caller (the one-stage fast scan's
+// contract: the top k is the exact one unless the roundings moved a row across the cut of `keep` candidates).
+#pragma once
+
+#include "fastscan.h"
+
+#include <cstdint>
+#include <vector>
+
+namespace tqvec {
+
+// How one plan's rows decode to signed bytes. Byte runs (consecutive bytes whose two nibbles are two 4-bit
+// codes of one channel each, all with one level table) decode 32 bytes at a time with two byte shuffles; runs of
+// 3-bit codes (groups of 8 codes in 3 bytes from a byte boundary, one table) a group at a time (a bit deposit
+// spreads the 8 codes over 8 bytes, one shuffle looks them up); the other steps one code at a time. The decoded row holds `width` bytes (a multiple of 4; zeros past the channels),
+// byte i holding channel channel_of[i] (-1 for padding).
+struct Int8Decoder {
+  struct ByteRun {
+    int32_t byte, bytes, out, table;  // the run's bytes [byte, byte + bytes) decode to out .. out + 2 * bytes
+  };
+  struct ThreeBitRun {
+    int32_t byte, groups, out, table;  // groups of 3 bytes from `byte` decode to out .. out + 8 * groups
+  };
+  struct Step {
+    int32_t byte, shift, width, channels, entry;  // entry: the step's (2^width, channels) block of step_levels
+    int32_t out[kMaxStepChannels];
+  };
+  std::vector<ByteRun> runs;
+  std::vector<ThreeBitRun> three_bit_runs;
+  std::vector<Step> steps;
+  std::vector<int8_t> run_levels;   // 16 per run (byte runs and 3-bit runs, whose last 8 are unused)
+  std::vector<int8_t> step_levels;  // per step, code-major: entry + code * channels + j
+  std::vector<int32_t> channel_of;  // (width,)
+  int64_t width = 0;
+  float level_scale = 1.0f;
+};
+
+// The byte decoding of `plan` (its channels must be 0 .. dim - 1 for queries of dim channels, each covered once).
+Int8Decoder int8_decoder(const Plan& plan);
+
+// True when this CPU runs the int8 kernel (AVX-512 F, BW, VL and VNNI, and BMI2).
+bool has_avx512_vnni();
+
+// For each query q of `queries` ((nq, dim) rotated), the `keep` rows r of [row_begin, row_end) of `rows` with the
+// largest estimates of scale_r * <q, o_r> + bias_r, appended to out[q] (any order; fewer where the range holds fewer
+// rows with a finite estimate). Needs has_avx512_vnni().
+void int8_candidates(const Int8Decoder& decoder, const Rows& rows, int64_t row_begin, int64_t row_end,
+                     const float* queries, int64_t nq, int64_t dim, int64_t keep, std::vector<std::vector<int64_t>>& out);
+
+}  // namespace tqvec
