@@ -939,8 +939,9 @@ void merge_items(const SearchArgs& a, const std::vector<Work>& work, const ItemC
 }
 
 #ifdef TQVEC_X86
-constexpr int64_t kInt8MinQueries = 32;   // queries per work item below which decoding each row costs too much per query
-constexpr int64_t kInt8MaxQueries = 512;  // queries per work item at most (their bytes stay in L2)
+constexpr int64_t kInt8MinQueries = 32;      // queries below which decoding each row costs too much per query
+constexpr int64_t kInt8MaxQueries = 512;     // queries that share the rows' decoding at most (their bytes stay in L2)
+constexpr int64_t kInt8MinRowsPerPart = 1024;  // rows a thread scans at least when a chunk's rows are split
 
 // True when the int8 batch kernel serves the search: a flat batch (one group of rows in order, probed once per
 // query or not at all) of at least kInt8MinQueries queries over codes of the two-stage layouts (3 bits per channel
@@ -951,56 +952,64 @@ bool int8_batch(const SearchArgs& a, Isa max_isa) {
          has_avx512_vnni();
 }
 
-// The flat batch by int8 products (int8_scan.h): per work item (up to kInt8MaxQueries queries and a slice of the
-// rows), the max(k, rescore) best rows of each query by the int8 estimate, scored exactly with the float tables.
+// The flat batch by int8 products (int8_scan.h): queries in chunks of up to kInt8MaxQueries, each chunk's rows split
+// into parts so that there is a part for every thread (each part decodes its rows once for the chunk's queries, the
+// parts of a chunk share their cuts); then per query the max(k, rescore) best rows by estimate over all parts,
+// scored exactly with the float tables.
 __attribute__((target("avx512f,avx512bw,avx2,fma"))) const char* search_int8(const SearchArgs& a, const PlanSteps& steps,
                                                                           int threads) {
   const int64_t lo = a.groups.offsets[0], hi = a.groups.offsets[1];
   const int64_t keep = std::min<int64_t>(std::max(a.k, a.rescore), std::max<int64_t>(1, a.rows.n));
-  const int64_t per_item = std::clamp<int64_t>((a.nq + threads - 1) / threads, kInt8MinQueries, kInt8MaxQueries);
-  const int64_t items = (a.nq + per_item - 1) / per_item;
-  const int64_t parts = items >= threads ? 1 : std::max<int64_t>(1, std::min<int64_t>(threads / items, (hi - lo) / kMinRowsPerPart));
-  std::vector<Work> work;
-  for (int64_t q = 0; q < a.nq; q += per_item)
+  const int64_t chunks = (a.nq + kInt8MaxQueries - 1) / kInt8MaxQueries, per_chunk = (a.nq + chunks - 1) / chunks;
+  const int64_t parts = std::clamp<int64_t>((threads + chunks - 1) / chunks, 1, std::max<int64_t>(1, (hi - lo) / kInt8MinRowsPerPart));
+  std::vector<Work> work;  // chunk c, part p: work[c * parts + p]
+  for (int64_t q = 0; q < a.nq; q += per_chunk)
     for (int64_t p = 0; p < parts; ++p)
-      work.push_back({q, std::min(a.nq, q + per_item), 0, 0, lo + (hi - lo) * p / parts, lo + (hi - lo) * (p + 1) / parts});
-  ItemCandidates found(work.size());
-  std::vector<std::vector<int64_t>> exact_counts(work.size());
-  const ExactSteps& exact = steps.exact_runs;
-  auto scan_items = [&](size_t begin, size_t end) {
-    std::unique_ptr<float[]> lut(new float[table_entries(a.plan)]);
-    std::unique_ptr<float[]> query(new float[static_cast<size_t>(a.dim)]);
+      work.push_back({q, std::min(a.nq, q + per_chunk), 0, 0, lo + (hi - lo) * p / parts, lo + (hi - lo) * (p + 1) / parts});
+  std::vector<SharedCuts> cuts;
+  for (int64_t c = 0; c < chunks; ++c) cuts.emplace_back(work[c * parts].query_end - work[c * parts].query);
+  std::vector<std::vector<std::vector<Estimate>>> found(work.size());
+  parallel_for(work.size(), threads, [&](size_t begin, size_t end) {
     for (size_t i = begin; i < end; ++i) {
       const Work& w = work[i];
-      std::vector<std::vector<int64_t>> rows(static_cast<size_t>(w.query_end - w.query));
+      found[i].resize(static_cast<size_t>(w.query_end - w.query));
       int8_candidates(steps.int8, a.rows, w.part_begin, w.part_end, a.queries + w.query * a.dim, w.query_end - w.query, a.dim,
-                      keep, rows);
-      for (size_t j = 0; j < rows.size(); ++j) {
-        const int64_t at = w.query + static_cast<int64_t>(j);
-        const float* q = a.queries + at * a.dim;
-        const bool probed = a.groups.probe == nullptr || a.groups.probe[at] == 0;  // -1: the query scans nothing
-        const float constant = a.groups.probe_constant ? a.groups.probe_constant[at] : 0.0f;
-        float_tables_avx2(a.plan, &exact.table_steps, q, lut.get());
-        run_query_order(exact, q, a.dim, kRunChunkAvx512, query.get());
-        std::vector<Candidate> cands;
-        cands.reserve(rows[j].size());
-        for (const int64_t r : rows[j]) {
-          if (!probed) break;
-          const float dot = exact_dot_avx512(exact, lut.get(), a.plan.level, query.get(), a.rows.packed + r * a.rows.row_bytes);
-          cands.push_back({finish(a.rows, r, dot, constant), r, constant});
-        }
-        exact_counts[i].push_back(static_cast<int64_t>(cands.size()));
-        if (parts == 1) {
-          write_best(a.k, cands, a.out_values + at * a.k, a.out_rows + at * a.k);
-        } else {
-          found[i].push_back(std::move(cands));
-        }
-      }
+                      keep, cuts[i / parts], found[i]);
     }
-  };
-  parallel_for(work.size(), threads, scan_items);
-  write_exact_counts(a, work, exact_counts);
-  if (parts > 1) merge_items(a, work, found, threads);
+  });
+  const ExactSteps& exact = steps.exact_runs;
+  parallel_for(static_cast<size_t>(a.nq), threads, [&](size_t begin, size_t end) {
+    std::unique_ptr<float[]> lut(new float[table_entries(a.plan)]);
+    std::unique_ptr<float[]> ordered(new float[static_cast<size_t>(a.dim)]);
+    std::vector<Estimate> estimates;
+    std::vector<Candidate> cands;
+    for (size_t at = begin; at < end; ++at) {
+      const int64_t q = static_cast<int64_t>(at), chunk = q / per_chunk;
+      estimates.clear();
+      for (int64_t p = 0; p < parts; ++p) {
+        const auto& part = found[chunk * parts + p][q - chunk * per_chunk];
+        estimates.insert(estimates.end(), part.begin(), part.end());
+      }
+      if (static_cast<int64_t>(estimates.size()) > keep)
+        std::nth_element(estimates.begin(), estimates.begin() + (keep - 1), estimates.end(),
+                         [](const Estimate& x, const Estimate& y) { return x.first > y.first; });
+      estimates.resize(std::min<size_t>(estimates.size(), static_cast<size_t>(keep)));
+      const float* query = a.queries + q * a.dim;
+      const bool probed = a.groups.probe == nullptr || a.groups.probe[q] == 0;  // -1: the query scans nothing
+      const float constant = a.groups.probe_constant ? a.groups.probe_constant[q] : 0.0f;
+      float_tables_avx2(a.plan, &exact.table_steps, query, lut.get());
+      run_query_order(exact, query, a.dim, kRunChunkAvx512, ordered.get());
+      cands.clear();
+      for (const Estimate& e : estimates) {
+        if (!probed) break;
+        const int64_t r = e.second;
+        const float dot = exact_dot_avx512(exact, lut.get(), a.plan.level, ordered.get(), a.rows.packed + r * a.rows.row_bytes);
+        cands.push_back({finish(a.rows, r, dot, constant), r, constant});
+      }
+      if (a.out_exact) a.out_exact[q] = static_cast<int64_t>(cands.size());
+      write_best(a.k, cands, a.out_values + q * a.k, a.out_rows + q * a.k);
+    }
+  }, 16);
   return "avx512-vnni";
 }
 #endif  // TQVEC_X86

@@ -72,22 +72,25 @@ class Best {
     if (items_.size() == 2 * capacity_) shrink();
   }
 
-  void append_rows(std::vector<int64_t>& out) {
+  // Raises the threshold to `cut` where that is higher (rows elsewhere beat it).
+  void raise(float cut) { threshold_ = std::max(threshold_, cut); }
+
+  void append(std::vector<Estimate>& out) {
     if (items_.size() > capacity_) shrink();
-    for (const auto& item : items_) out.push_back(item.second);
+    out.insert(out.end(), items_.begin(), items_.end());
   }
 
  private:
   void shrink() {
     std::nth_element(items_.begin(), items_.begin() + static_cast<std::ptrdiff_t>(capacity_ - 1), items_.end(),
-                     [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) { return a.first > b.first; });
+                     [](const Estimate& a, const Estimate& b) { return a.first > b.first; });
     items_.resize(capacity_);
-    threshold_ = items_.back().first;
+    threshold_ = std::max(threshold_, items_.back().first);
   }
 
   size_t capacity_;
   float threshold_ = kNegInf;
-  std::vector<std::pair<float, int64_t>> items_;
+  std::vector<Estimate> items_;
 };
 
 #ifdef TQVEC_X86
@@ -202,7 +205,7 @@ QueryTiles query_tiles(const Int8Decoder& d, const float* queries, int64_t nq, i
 template <int V>
 TQVEC_VNNI void offer(const int32_t* sums, const int32_t* correction, const float* scale, const float* bias, int64_t first,
                       int n, int64_t tile, int64_t nq, const QueryTiles& queries, std::vector<Best>& best,
-                      std::vector<float>& threshold) {
+                      std::vector<float>& threshold, SharedCuts& cuts) {
   for (int r = 0; r < n; ++r) {
     const __m512i shift = _mm512_set1_epi32(correction[r]);
     const __m512 gain = _mm512_set1_ps(scale[r]), offset = _mm512_set1_ps(bias[r]);
@@ -219,14 +222,17 @@ TQVEC_VNNI void offer(const int32_t* sums, const int32_t* correction, const floa
       for (unsigned bits = passing; bits; bits &= bits - 1) {
         const int64_t q = q0 + __builtin_ctz(bits);
         best[q].push(value[__builtin_ctz(bits)], first + r);
-        threshold[q] = best[q].threshold();
+        if (best[q].threshold() > threshold[q]) {  // this part's best list filled up: a cut for every part
+          threshold[q] = best[q].threshold();
+          cuts.raise(q, threshold[q]);
+        }
       }
     }
   }
 }
 
 TQVEC_VNNI void candidates_vnni(const Int8Decoder& d, const Rows& rows, int64_t row_begin, int64_t row_end, const float* queries,
-                                int64_t nq, int64_t dim, int64_t keep, std::vector<std::vector<int64_t>>& out) {
+                                int64_t nq, int64_t dim, int64_t keep, SharedCuts& cuts, std::vector<std::vector<Estimate>>& out) {
   const QueryTiles tiles = query_tiles(d, queries, nq, dim);
   std::vector<Best> best(static_cast<size_t>(nq), Best(keep));
   std::vector<float> threshold(static_cast<size_t>(tiles.tiles * kLanes), kNegInf);
@@ -238,6 +244,13 @@ TQVEC_VNNI void candidates_vnni(const Int8Decoder& d, const Rows& rows, int64_t 
   alignas(64) int32_t sums[2 * kRowsPerCall * kLanes];
   for (int64_t start = row_begin; start < row_end; start += tile_rows) {
     const int64_t n = std::min(tile_rows, row_end - start);
+    for (int64_t q = 0; q < nq; ++q) {  // what the other parts found so far
+      const float cut = cuts.get(q);
+      if (cut > threshold[q]) {
+        threshold[q] = cut;
+        best[q].raise(cut);
+      }
+    }
     for (int64_t r = 0; r < n; ++r) {
       int8_t* dst = decoded.data() + r * stride;
       decode_row(d, rows.packed + (start + r) * rows.row_bytes, dst);
@@ -252,15 +265,15 @@ TQVEC_VNNI void candidates_vnni(const Int8Decoder& d, const Rows& rows, int64_t 
         const int8_t* block = decoded.data() + r * stride;
         if (qt[1]) {
           products<2>(qt, block, stride, tiles.groups, sums);
-          offer<2>(sums, &correction[r], &scale[r], &bias[r], start + r, count, t, nq, tiles, best, threshold);
+          offer<2>(sums, &correction[r], &scale[r], &bias[r], start + r, count, t, nq, tiles, best, threshold, cuts);
         } else {
           products<1>(qt, block, stride, tiles.groups, sums);
-          offer<1>(sums, &correction[r], &scale[r], &bias[r], start + r, count, t, nq, tiles, best, threshold);
+          offer<1>(sums, &correction[r], &scale[r], &bias[r], start + r, count, t, nq, tiles, best, threshold, cuts);
         }
       }
     }
   }
-  for (int64_t q = 0; q < nq; ++q) best[q].append_rows(out[q]);
+  for (int64_t q = 0; q < nq; ++q) best[q].append(out[q]);
 }
 #endif  // TQVEC_X86
 
@@ -338,12 +351,23 @@ bool has_avx512_vnni() {
 #endif
 }
 
+SharedCuts::SharedCuts(int64_t nq) : cut_(new std::atomic<float>[static_cast<size_t>(nq)]) {
+  for (int64_t q = 0; q < nq; ++q) cut_[q].store(kNegInf, std::memory_order_relaxed);
+}
+
+void SharedCuts::raise(int64_t q, float value) {
+  float seen = cut_[q].load(std::memory_order_relaxed);
+  while (value > seen && !cut_[q].compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
+  }
+}
+
 void int8_candidates(const Int8Decoder& decoder, const Rows& rows, int64_t row_begin, int64_t row_end,
-                     const float* queries, int64_t nq, int64_t dim, int64_t keep, std::vector<std::vector<int64_t>>& out) {
+                     const float* queries, int64_t nq, int64_t dim, int64_t keep, SharedCuts& cuts,
+                     std::vector<std::vector<Estimate>>& out) {
 #ifdef TQVEC_X86
-  candidates_vnni(decoder, rows, row_begin, row_end, queries, nq, dim, keep, out);
+  candidates_vnni(decoder, rows, row_begin, row_end, queries, nq, dim, keep, cuts, out);
 #else
-  (void)decoder, (void)rows, (void)row_begin, (void)row_end, (void)queries, (void)nq, (void)dim, (void)keep, (void)out;
+  (void)decoder, (void)rows, (void)row_begin, (void)row_end, (void)queries, (void)nq, (void)dim, (void)keep, (void)cuts, (void)out;
 #endif
 }
 

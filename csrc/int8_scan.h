@@ -14,7 +14,10 @@
 
 #include "fastscan.h"
 
+#include <atomic>
 #include <cstdint>
+#include <memory>
+#include <utility>
 #include <vector>
 
 namespace tqvec {
@@ -51,10 +54,27 @@ Int8Decoder int8_decoder(const Plan& plan);
 // True when this CPU runs the int8 kernel (AVX-512 F, BW, VL and VNNI, and BMI2).
 bool has_avx512_vnni();
 
+// Per query, an estimate that `keep` rows scanned so far (by any of the threads that scan parts of the rows) exceed:
+// a row whose estimate does not is not among the `keep` best, so every part skips it. Raised by every part.
+class SharedCuts {
+ public:
+  explicit SharedCuts(int64_t nq);
+  float get(int64_t q) const { return cut_[q].load(std::memory_order_relaxed); }
+  void raise(int64_t q, float value);
+
+ private:
+  std::unique_ptr<std::atomic<float>[]> cut_;
+};
+
+// An estimate and its row.
+using Estimate = std::pair<float, int64_t>;
+
 // For each query q of `queries` ((nq, dim) rotated), the `keep` rows r of [row_begin, row_end) of `rows` with the
-// largest estimates of scale_r * <q, o_r> + bias_r, appended to out[q] (any order; fewer where the range holds fewer
-// rows with a finite estimate). Needs has_avx512_vnni().
+// largest estimates of scale_r * <q, o_r> + bias_r, appended to out[q] with those estimates (any order; fewer where
+// the range holds fewer rows with a finite estimate, or where rows of other parts beat them: `cuts`, one per
+// query, shared by the parts of the rows that the same queries scan). Needs has_avx512_vnni().
 void int8_candidates(const Int8Decoder& decoder, const Rows& rows, int64_t row_begin, int64_t row_end,
-                     const float* queries, int64_t nq, int64_t dim, int64_t keep, std::vector<std::vector<int64_t>>& out);
+                     const float* queries, int64_t nq, int64_t dim, int64_t keep, SharedCuts& cuts,
+                     std::vector<std::vector<Estimate>>& out);
 
 }  // namespace tqvec

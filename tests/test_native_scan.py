@@ -204,6 +204,32 @@ def test_flat_batches_by_int8_products_return_the_same_rows(monkeypatch, dim: in
             _assert_same_results(out["scalar"], out[name])
 
 
+@pytest.mark.parametrize("threads", [3, 4])
+def test_int8_batches_split_rows_across_threads(monkeypatch, threads: int) -> None:
+    """With fewer query chunks than threads the int8 kernel splits the rows into parts (at least 1,024 rows each:
+    4,500 rows make 3 and 4 parts) that share their cuts: the best candidates by estimate over all parts are the
+    one-part ones (k = rescore: each is a result, so a part that skipped a row it should keep changes the answer),
+    and with k = 10 the rows are the scalar kernel's."""
+    if "avx512-vnni" not in _fastscan.kernels():
+        pytest.skip("this CPU has no AVX-512 VNNI: the int8 kernel does not run")
+    monkeypatch.setattr(_fastscan, "TWO_STAGE_MIN_CHANNELS", 1)
+    quantizer = TurboQuantizer(64, 4, seed=21)
+    codes = quantizer.encode(_data(4500, 64, seed=22))
+    rotated = quantizer.rotate_queries(_data(50, 64, seed=23))[0].numpy()
+    plan = quantizer.table("cpu").native_plan()
+    source = _fastscan.rows(codes.packed, codes.scales, None, plan)
+    none = np.zeros((0, 0), np.int64), np.zeros((0, 0), np.float32)
+
+    def search(k: int, rescore: int, threads: int, isa: int):
+        values, rows, used, exact = _fastscan._native.search(plan.handle, source, rotated, *none, k, rescore,
+                                                             _fastscan.CONFIDENCE, threads, isa)
+        assert used == ("avx512-vnni" if isa == 3 else "scalar") and (isa < 3 or np.all(exact == rescore))
+        return values, rows
+
+    _assert_same_results(search(40, 40, 1, 3), search(40, 40, threads, 3))
+    _assert_same_results(search(10, 32, 1, 0), search(10, 32, threads, 3))
+
+
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
 @pytest.mark.parametrize("bits,correction", [(3, "auto"), (4, "center"), (4.5, "none"), (8, "rescale")])
 def test_flat_index_batches_match_torch(kernel, monkeypatch, metric: str, bits: float, correction: str) -> None:
