@@ -960,7 +960,9 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) const char* search_int8(con
                                                                           int threads) {
   const int64_t lo = a.groups.offsets[0], hi = a.groups.offsets[1];
   const int64_t keep = std::min<int64_t>(std::max(a.k, a.rescore), std::max<int64_t>(1, a.rows.n));
-  const int64_t chunks = (a.nq + kInt8MaxQueries - 1) / kInt8MaxQueries, per_chunk = (a.nq + chunks - 1) / chunks;
+  const int64_t fewest = (a.nq + kInt8MaxQueries - 1) / kInt8MaxQueries;
+  const int64_t per_chunk = ((a.nq + fewest - 1) / fewest + 15) / 16 * 16;  // whole tiles of 16 queries
+  const int64_t chunks = (a.nq + per_chunk - 1) / per_chunk;
   const int64_t parts = std::clamp<int64_t>((threads + chunks - 1) / chunks, 1, std::max<int64_t>(1, (hi - lo) / kInt8MinRowsPerPart));
   std::vector<Work> work;  // chunk c, part p: work[c * parts + p]
   for (int64_t q = 0; q < a.nq; q += per_chunk)
@@ -968,13 +970,13 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) const char* search_int8(con
       work.push_back({q, std::min(a.nq, q + per_chunk), 0, 0, lo + (hi - lo) * p / parts, lo + (hi - lo) * (p + 1) / parts});
   std::vector<SharedCuts> cuts;
   for (int64_t c = 0; c < chunks; ++c) cuts.emplace_back(work[c * parts].query_end - work[c * parts].query);
+  const Int8Queries queries = int8_queries(steps.int8, a.queries, a.nq, a.dim, threads);
   std::vector<std::vector<std::vector<Estimate>>> found(work.size());
   parallel_for(work.size(), threads, [&](size_t begin, size_t end) {
     for (size_t i = begin; i < end; ++i) {
       const Work& w = work[i];
       found[i].resize(static_cast<size_t>(w.query_end - w.query));
-      int8_candidates(steps.int8, a.rows, w.part_begin, w.part_end, a.queries + w.query * a.dim, w.query_end - w.query, a.dim,
-                      keep, cuts[i / parts], found[i]);
+      int8_candidates(steps.int8, a.rows, w.part_begin, w.part_end, queries, w.query, w.query_end, keep, cuts[i / parts], found[i]);
     }
   });
   const ExactSteps& exact = steps.exact_runs;

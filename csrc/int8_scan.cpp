@@ -1,6 +1,8 @@
 // Candidates of a batch of queries by 8-bit integer products: see int8_scan.h for the contract.
 #include "int8_scan.h"
 
+#include "parallel.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -168,43 +170,38 @@ TQVEC_VNNI void products(const uint8_t* const* qt, const int8_t* rows, int64_t s
     for (int v = 0; v < V; ++v) _mm512_storeu_si512(sums + (r * V + v) * kLanes, acc[v][r]);
 }
 
-// The queries of a batch as products reads them: per tile of 16, (groups, 16, 4) unsigned bytes, and per query
-// 1 / (s_q * level_scale).
-struct QueryTiles {
-  int64_t tiles = 0, groups = 0;
-  std::unique_ptr<uint8_t[], void (*)(void*)> bytes{nullptr, std::free};
-  std::vector<float> inverse;  // (tiles * 16,), 0 for padding lanes
-
-  const uint8_t* tile(int64_t t) const { return bytes.get() + t * groups * 64; }
-};
-
-QueryTiles query_tiles(const Int8Decoder& d, const float* queries, int64_t nq, int64_t dim) {
-  QueryTiles out;
-  out.tiles = (nq + kLanes - 1) / kLanes;
-  out.groups = d.width / 4;
-  const size_t size = static_cast<size_t>(out.tiles * out.groups * 64);
-  out.bytes.reset(static_cast<uint8_t*>(std::aligned_alloc(64, std::max<size_t>(64, size))));
-  std::memset(out.bytes.get(), 128, size);  // padding lanes and channels: the value 0
-  out.inverse.assign(static_cast<size_t>(out.tiles * kLanes), 0.0f);
-  for (int64_t q = 0; q < nq; ++q) {
-    const float* x = queries + q * dim;
-    float top = 0.0f;
-    for (int64_t c = 0; c < dim; ++c) top = std::max(top, std::fabs(x[c]));
-    const float scale = top > 0.0f ? 127.0f / top : 1.0f;
-    out.inverse[q] = 1.0f / (scale * d.level_scale);
-    uint8_t* tile = out.bytes.get() + (q / kLanes) * out.groups * 64 + 4 * (q % kLanes);
-    for (int64_t i = 0; i < d.width; ++i) {
-      const int32_t c = d.channel_of[i];
-      if (c >= 0) tile[(i / 4) * 64 + i % 4] = static_cast<uint8_t>(std::clamp(std::lround(x[c] * scale), -127L, 127L) + 128);
-    }
+// Quantizes query x (dim,) to unsigned bytes into its lane of a tile (`lane`: the tile's first byte plus 4 * lane)
+// and writes 1 / (s_q * level_scale) to `inverse`.
+TQVEC_VNNI void quantize_query(const Int8Decoder& d, const float* x, int64_t dim, uint8_t* lane, float* inverse) {
+  __m512 top = _mm512_setzero_ps();
+  for (int64_t c = 0; c < dim; c += kLanes) {
+    const __mmask16 in = dim - c >= kLanes ? kAll16 : static_cast<__mmask16>((1u << (dim - c)) - 1u);
+    top = _mm512_maskz_max_ps(kAll16, top, _mm512_abs_ps(_mm512_maskz_loadu_ps(in, x + c)));
   }
-  return out;
+  alignas(64) float lanes[kLanes];
+  _mm512_store_ps(lanes, top);
+  const float largest = *std::max_element(lanes, lanes + kLanes);
+  const float scale = largest > 0.0f ? 127.0f / largest : 1.0f;
+  *inverse = 1.0f / (scale * d.level_scale);
+  const __m512 gain = _mm512_set1_ps(scale);
+  const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127), zero = _mm512_set1_epi32(128);
+  for (int64_t i = 0; i < d.width; i += kLanes) {  // d.width is a multiple of 4: whole groups of 4 bytes
+    const __mmask16 in = d.width - i >= kLanes ? kAll16 : static_cast<__mmask16>((1u << (d.width - i)) - 1u);
+    const __m512i channel = _mm512_maskz_loadu_epi32(in, d.channel_of.data() + i);
+    const __mmask16 used = _mm512_mask_cmpge_epi32_mask(in, channel, _mm512_setzero_si512());
+    const __m512 value = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), used, channel, x, 4);
+    const __m512i rounded = _mm512_maskz_cvtps_epi32(kAll16, _mm512_mul_ps(value, gain));  // to nearest
+    const __m512i code = _mm512_maskz_min_epi32(kAll16, _mm512_maskz_max_epi32(kAll16, rounded, low), high);
+    alignas(16) uint8_t bytes[kLanes];
+    _mm_store_si128(reinterpret_cast<__m128i*>(bytes), _mm512_maskz_cvtepi32_epi8(kAll16, _mm512_add_epi32(code, zero)));
+    for (int64_t g = 0; g < kLanes / 4 && i + 4 * g < d.width; ++g) std::memcpy(lane + (i / 4 + g) * 64, bytes + 4 * g, 4);
+  }
 }
 
 // Offers rows [first, first + n) (n <= kRowsPerCall) of a products call over tiles [tile, tile + V) to the queries.
 template <int V>
 TQVEC_VNNI void offer(const int32_t* sums, const int32_t* correction, const float* scale, const float* bias, int64_t first,
-                      int n, int64_t tile, int64_t nq, const QueryTiles& queries, std::vector<Best>& best,
+                      int n, int64_t tile, int64_t nq, const float* inverse, std::vector<Best>& best,
                       std::vector<float>& threshold, SharedCuts& cuts) {
   for (int r = 0; r < n; ++r) {
     const __m512i shift = _mm512_set1_epi32(correction[r]);
@@ -212,7 +209,7 @@ TQVEC_VNNI void offer(const int32_t* sums, const int32_t* correction, const floa
     for (int v = 0; v < V; ++v) {
       const int64_t q0 = (tile + v) * kLanes;
       const __m512i sum = _mm512_sub_epi32(_mm512_loadu_si512(sums + (r * V + v) * kLanes), shift);
-      const __m512 dot = _mm512_mul_ps(_mm512_maskz_cvtepi32_ps(kAll16, sum), _mm512_loadu_ps(queries.inverse.data() + q0));
+      const __m512 dot = _mm512_mul_ps(_mm512_maskz_cvtepi32_ps(kAll16, sum), _mm512_loadu_ps(inverse + q0));
       const __m512 estimate = _mm512_fmadd_ps(dot, gain, offset);
       __mmask16 passing = _mm512_cmp_ps_mask(estimate, _mm512_loadu_ps(threshold.data() + q0), _CMP_GT_OQ);
       if (nq - q0 < kLanes) passing &= static_cast<__mmask16>((1u << (nq - q0)) - 1u);
@@ -231,11 +228,13 @@ TQVEC_VNNI void offer(const int32_t* sums, const int32_t* correction, const floa
   }
 }
 
-TQVEC_VNNI void candidates_vnni(const Int8Decoder& d, const Rows& rows, int64_t row_begin, int64_t row_end, const float* queries,
-                                int64_t nq, int64_t dim, int64_t keep, SharedCuts& cuts, std::vector<std::vector<Estimate>>& out) {
-  const QueryTiles tiles = query_tiles(d, queries, nq, dim);
+TQVEC_VNNI void candidates_vnni(const Int8Decoder& d, const Rows& rows, int64_t row_begin, int64_t row_end,
+                                const Int8Queries& queries, int64_t query_begin, int64_t query_end, int64_t keep, SharedCuts& cuts,
+                                std::vector<std::vector<Estimate>>& out) {
+  const int64_t nq = query_end - query_begin, tiles = (nq + kLanes - 1) / kLanes, first_tile = query_begin / kLanes;
+  const float* inverse = queries.inverse.data() + query_begin;
   std::vector<Best> best(static_cast<size_t>(nq), Best(keep));
-  std::vector<float> threshold(static_cast<size_t>(tiles.tiles * kLanes), kNegInf);
+  std::vector<float> threshold(static_cast<size_t>(tiles * kLanes), kNegInf);
   const int64_t stride = d.width;
   const int64_t tile_rows = std::max<int64_t>(1, kTileBytes / std::max<int64_t>(1, stride) / kRowsPerCall) * kRowsPerCall;
   std::vector<int8_t> decoded(static_cast<size_t>(tile_rows * stride), 0);
@@ -258,17 +257,17 @@ TQVEC_VNNI void candidates_vnni(const Int8Decoder& d, const Rows& rows, int64_t 
       scale[r] = rows.scale ? rows.scale[start + r] : 1.0f;
       bias[r] = rows.bias ? rows.bias[start + r] : 0.0f;
     }
-    for (int64_t t = 0; t < tiles.tiles; t += 2) {
-      const uint8_t* qt[2] = {tiles.tile(t), t + 1 < tiles.tiles ? tiles.tile(t + 1) : nullptr};
+    for (int64_t t = 0; t < tiles; t += 2) {
+      const uint8_t* qt[2] = {queries.tile(first_tile + t), t + 1 < tiles ? queries.tile(first_tile + t + 1) : nullptr};
       for (int64_t r = 0; r < n; r += kRowsPerCall) {
         const int count = static_cast<int>(std::min<int64_t>(kRowsPerCall, n - r));
         const int8_t* block = decoded.data() + r * stride;
         if (qt[1]) {
-          products<2>(qt, block, stride, tiles.groups, sums);
-          offer<2>(sums, &correction[r], &scale[r], &bias[r], start + r, count, t, nq, tiles, best, threshold, cuts);
+          products<2>(qt, block, stride, queries.groups, sums);
+          offer<2>(sums, &correction[r], &scale[r], &bias[r], start + r, count, t, nq, inverse, best, threshold, cuts);
         } else {
-          products<1>(qt, block, stride, tiles.groups, sums);
-          offer<1>(sums, &correction[r], &scale[r], &bias[r], start + r, count, t, nq, tiles, best, threshold, cuts);
+          products<1>(qt, block, stride, queries.groups, sums);
+          offer<1>(sums, &correction[r], &scale[r], &bias[r], start + r, count, t, nq, inverse, best, threshold, cuts);
         }
       }
     }
@@ -361,13 +360,33 @@ void SharedCuts::raise(int64_t q, float value) {
   }
 }
 
-void int8_candidates(const Int8Decoder& decoder, const Rows& rows, int64_t row_begin, int64_t row_end,
-                     const float* queries, int64_t nq, int64_t dim, int64_t keep, SharedCuts& cuts,
-                     std::vector<std::vector<Estimate>>& out) {
+Int8Queries int8_queries(const Int8Decoder& decoder, const float* queries, int64_t nq, int64_t dim, int threads) {
+  Int8Queries out;
+  out.tiles = (nq + kLanes - 1) / kLanes;
+  out.groups = decoder.width / 4;
+  const size_t size = static_cast<size_t>(out.tiles * out.groups * 64);
+  out.bytes.reset(static_cast<uint8_t*>(std::aligned_alloc(64, std::max<size_t>(64, size))));
+  std::memset(out.bytes.get(), 128, size);  // padding lanes: the value 0
+  out.inverse.assign(static_cast<size_t>(out.tiles * kLanes), 0.0f);
 #ifdef TQVEC_X86
-  candidates_vnni(decoder, rows, row_begin, row_end, queries, nq, dim, keep, cuts, out);
+  parallel_for(static_cast<size_t>(nq), threads, [&](size_t begin, size_t end) {
+    for (size_t q = begin; q < end; ++q)
+      quantize_query(decoder, queries + q * dim, dim, out.bytes.get() + (q / kLanes) * out.groups * 64 + 4 * (q % kLanes),
+                     &out.inverse[q]);
+  }, kLanes);
 #else
-  (void)decoder, (void)rows, (void)row_begin, (void)row_end, (void)queries, (void)nq, (void)dim, (void)keep, (void)cuts, (void)out;
+  (void)queries, (void)dim, (void)threads;
+#endif
+  return out;
+}
+
+void int8_candidates(const Int8Decoder& decoder, const Rows& rows, int64_t row_begin, int64_t row_end, const Int8Queries& queries,
+                     int64_t query_begin, int64_t query_end, int64_t keep, SharedCuts& cuts, std::vector<std::vector<Estimate>>& out) {
+#ifdef TQVEC_X86
+  candidates_vnni(decoder, rows, row_begin, row_end, queries, query_begin, query_end, keep, cuts, out);
+#else
+  (void)decoder, (void)rows, (void)row_begin, (void)row_end, (void)queries, (void)query_begin, (void)query_end, (void)keep,
+      (void)cuts, (void)out;
 #endif
 }
 

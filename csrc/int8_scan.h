@@ -15,6 +15,7 @@
 #include "fastscan.h"
 
 #include <atomic>
+#include <cstdlib>
 #include <cstdint>
 #include <memory>
 #include <utility>
@@ -69,12 +70,25 @@ class SharedCuts {
 // An estimate and its row.
 using Estimate = std::pair<float, int64_t>;
 
-// For each query q of `queries` ((nq, dim) rotated), the `keep` rows r of [row_begin, row_end) of `rows` with the
-// largest estimates of scale_r * <q, o_r> + bias_r, appended to out[q] with those estimates (any order; fewer where
-// the range holds fewer rows with a finite estimate, or where rows of other parts beat them: `cuts`, one per
-// query, shared by the parts of the rows that the same queries scan). Needs has_avx512_vnni().
-void int8_candidates(const Int8Decoder& decoder, const Rows& rows, int64_t row_begin, int64_t row_end,
-                     const float* queries, int64_t nq, int64_t dim, int64_t keep, SharedCuts& cuts,
-                     std::vector<std::vector<Estimate>>& out);
+// Queries as the int8 kernel reads them: per tile of 16 queries, (groups, 16, 4) unsigned bytes (lane l of group g:
+// query 16 t + l at decoded positions 4 g .. 4 g + 3), and per query 1 / (s_q * level_scale) (0 for padding lanes).
+struct Int8Queries {
+  int64_t tiles = 0, groups = 0;
+  std::unique_ptr<uint8_t[], void (*)(void*)> bytes{nullptr, std::free};
+  std::vector<float> inverse;  // (tiles * 16,)
+
+  const uint8_t* tile(int64_t t) const { return bytes.get() + t * groups * 64; }
+};
+
+// `queries` ((nq, dim) rotated) quantized for the decoder's rows, on `threads` threads. Needs has_avx512_vnni().
+Int8Queries int8_queries(const Int8Decoder& decoder, const float* queries, int64_t nq, int64_t dim, int threads);
+
+// For each query q in [query_begin, query_end) of `queries` (query_begin a multiple of 16), the `keep` rows r of
+// [row_begin, row_end) of `rows` with the largest estimates of scale_r * <q, o_r> + bias_r, appended to
+// out[q - query_begin] with those estimates (any order; fewer where the range holds fewer rows with a finite
+// estimate, or where rows of other parts beat them: `cuts`, indexed from query_begin, shared by the parts of the
+// rows that the same queries scan). Needs has_avx512_vnni().
+void int8_candidates(const Int8Decoder& decoder, const Rows& rows, int64_t row_begin, int64_t row_end, const Int8Queries& queries,
+                     int64_t query_begin, int64_t query_end, int64_t keep, SharedCuts& cuts, std::vector<std::vector<Estimate>>& out);
 
 }  // namespace tqvec
