@@ -955,9 +955,9 @@ bool int8_batch(const SearchArgs& a, Isa max_isa) {
 // The flat batch by int8 products (int8_scan.h): queries in chunks of up to kInt8MaxQueries, each chunk's rows split
 // into parts so that there is a part for every thread (each part decodes its rows once for the chunk's queries, the
 // parts of a chunk share their cuts); then per query the max(k, rescore) best rows by estimate over all parts,
-// scored exactly with the float tables.
+// scored exactly with the float tables. The products on AMX tiles where `amx`.
 __attribute__((target("avx512f,avx512bw,avx2,fma"))) const char* search_int8(const SearchArgs& a, const PlanSteps& steps,
-                                                                          int threads) {
+                                                                          int threads, bool amx) {
   const int64_t lo = a.groups.offsets[0], hi = a.groups.offsets[1];
   const int64_t keep = std::min<int64_t>(std::max(a.k, a.rescore), std::max<int64_t>(1, a.rows.n));
   const int64_t fewest = (a.nq + kInt8MaxQueries - 1) / kInt8MaxQueries;
@@ -976,7 +976,8 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) const char* search_int8(con
     for (size_t i = begin; i < end; ++i) {
       const Work& w = work[i];
       found[i].resize(static_cast<size_t>(w.query_end - w.query));
-      int8_candidates(steps.int8, a.rows, w.part_begin, w.part_end, queries, w.query, w.query_end, keep, cuts[i / parts], found[i]);
+      int8_candidates(steps.int8, a.rows, w.part_begin, w.part_end, queries, w.query, w.query_end, keep, cuts[i / parts], found[i],
+                      amx);
     }
   });
   const ExactSteps& exact = steps.exact_runs;
@@ -1012,7 +1013,7 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) const char* search_int8(con
       write_best(a.k, cands, a.out_values + q * a.k, a.out_rows + q * a.k);
     }
   }, 16);
-  return "avx512-vnni";
+  return amx ? "amx" : "avx512-vnni";
 }
 #endif  // TQVEC_X86
 
@@ -1272,7 +1273,8 @@ const char* search(const SearchArgs& a, Isa max_isa) {
 #ifdef TQVEC_X86
   if (int8_batch(a, max_isa)) {
     std::shared_ptr<const PlanSteps> derived;  // when the caller has none
-    return search_int8(a, a.steps ? *a.steps : *(derived = plan_steps(a.plan)), std::max(1, a.threads));
+    return search_int8(a, a.steps ? *a.steps : *(derived = plan_steps(a.plan)), std::max(1, a.threads),
+                       max_isa >= Isa::kAmx && has_amx());
   }
 #endif
   const bool narrow = std::all_of(a.plan.width, a.plan.width + a.plan.n_steps, [](int32_t w) { return w <= 4; });

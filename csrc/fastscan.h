@@ -184,11 +184,12 @@ struct SearchArgs {
 };
 
 // Instruction sets of the kernels, in order: the scalar exact kernel, the AVX2 fast scan, the fast scan with
-// 512-bit shuffles for the nibble pairs, and for flat batches of two-stage codes the int8 products (int8_scan.h).
-enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3 };
+// 512-bit shuffles for the nibble pairs, and for flat batches of two-stage codes the int8 products (int8_scan.h) with
+// AVX-512 VNNI or on AMX tiles.
+enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAmx = 4 };
 
-// Runs the search with the best kernel this CPU has, up to `max_isa`; returns its name ("avx512-vnni", "avx512",
-// "avx2" or "scalar", with "-two-stage" for the two-stage scans).
+// Runs the search with the best kernel this CPU has, up to `max_isa`; returns its name ("amx", "avx512-vnni",
+// "avx512", "avx2" or "scalar", with "-two-stage" for the two-stage scans).
 const char* search(const SearchArgs& args, Isa max_isa);
 
 // True when this CPU runs the AVX2 kernel (AVX2 and FMA).

@@ -10,8 +10,13 @@
 #include <memory>
 
 #if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
 #include <immintrin.h>
 #define TQVEC_X86 1
+#endif
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace tqvec {
@@ -21,6 +26,9 @@ constexpr int kLanes = 16;       // queries per 512-bit vector of 32-bit sums
 constexpr int kRowsPerCall = 12;  // rows whose sums one call of `products` keeps in registers (2 x 12 accumulators)
 constexpr int kRunChunk = 32;     // bytes of a byte run decoded by one pair of shuffles
 constexpr int64_t kTileBytes = 64 * 1024;  // decoded rows held at once (they stay in L2 while every query reads them)
+constexpr int kBlockBytes = 64;   // a decoded row's bytes come in blocks of 64 (an AMX tile row)
+constexpr int kAmxRows = 32;      // rows per AMX call: two tiles of 16 rows, times two tiles of 16 queries
+constexpr int64_t kRowGroup = 96; // decoded rows per tile come in multiples of this (of kRowsPerCall and kAmxRows)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 const float* step_levels(const Plan& plan, int t) { return plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[t]; }
@@ -63,15 +71,16 @@ int8_t to_byte(float level, float scale) {
 // that size, which, when full, keeps its best `capacity` (nth_element) and raises the threshold to the least of them.
 // A row costs one store, not a heap update: most rows that enter a flat scan's top list leave it again.
 class Best {
+  static constexpr size_t kSpare = 2;  // the buffer holds this many times the rows kept
  public:
-  explicit Best(int64_t capacity) : capacity_(static_cast<size_t>(capacity)) { items_.reserve(2 * capacity_); }
+  explicit Best(int64_t capacity) : capacity_(static_cast<size_t>(capacity)) { items_.reserve(kSpare * capacity_); }
 
   // The estimate a row must beat to enter.
   float threshold() const { return threshold_; }
 
   void push(float estimate, int64_t row) {
     items_.push_back({estimate, row});
-    if (items_.size() == 2 * capacity_) shrink();
+    if (items_.size() == kSpare * capacity_) shrink();
   }
 
   // Raises the threshold to `cut` where that is higher (rows elsewhere beat it).
@@ -212,6 +221,7 @@ TQVEC_VNNI void offer(const int32_t* sums, const int32_t* correction, const floa
       const __m512 dot = _mm512_mul_ps(_mm512_maskz_cvtepi32_ps(kAll16, sum), _mm512_loadu_ps(inverse + q0));
       const __m512 estimate = _mm512_fmadd_ps(dot, gain, offset);
       __mmask16 passing = _mm512_cmp_ps_mask(estimate, _mm512_loadu_ps(threshold.data() + q0), _CMP_GT_OQ);
+      if (q0 >= nq) break;  // a padding tile
       if (nq - q0 < kLanes) passing &= static_cast<__mmask16>((1u << (nq - q0)) - 1u);
       if (!passing) continue;
       alignas(64) float value[kLanes];
@@ -228,19 +238,61 @@ TQVEC_VNNI void offer(const int32_t* sums, const int32_t* correction, const floa
   }
 }
 
+// The AMX form of `products` (AMX-INT8): tiles 4 and 5 hold 16 decoded rows each (signed bytes, 64 channels), 6 and 7
+// 16 queries each (unsigned bytes, 4 channels per 32-bit lane, as qt stores them), 0 to 3 the 32-bit sums of rows
+// (tile rows) by queries (columns); TDPBSUD adds 64 channels of all 16 x 16 pairs. Writes the sums of kAmxRows rows
+// with two tiles of queries to sums[(r * 2 + v) * 16 + lane]. The caller has loaded amx_config().
+#define TQVEC_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,bmi2")))
+TQVEC_AMX void products_amx(const uint8_t* const* qt, const int8_t* rows, int64_t stride, int64_t blocks, int32_t* sums) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t b = 0; b < blocks; ++b) {
+    _tile_loadd(4, rows + b * kBlockBytes, stride);
+    _tile_loadd(5, rows + 16 * stride + b * kBlockBytes, stride);
+    _tile_loadd(6, qt[0] + b * 16 * 64, 64);
+    _tile_loadd(7, qt[1] + b * 16 * 64, 64);
+    _tile_dpbsud(0, 4, 6);
+    _tile_dpbsud(1, 4, 7);
+    _tile_dpbsud(2, 5, 6);
+    _tile_dpbsud(3, 5, 7);
+  }
+  constexpr int64_t row_stride = 2 * kLanes * sizeof(int32_t);  // one row's sums for both tiles of queries
+  _tile_stored(0, sums, row_stride);
+  _tile_stored(1, sums + kLanes, row_stride);
+  _tile_stored(2, sums + 16 * 2 * kLanes, row_stride);
+  _tile_stored(3, sums + 16 * 2 * kLanes + kLanes, row_stride);
+}
+
+// Palette 1, eight tiles of 16 rows x 64 bytes.
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+TQVEC_AMX void load_amx_config() {
+  static const AmxConfig config;
+  _tile_loadconfig(&config);
+}
+
+TQVEC_AMX void release_amx() { _tile_release(); }
+
 TQVEC_VNNI void candidates_vnni(const Int8Decoder& d, const Rows& rows, int64_t row_begin, int64_t row_end,
                                 const Int8Queries& queries, int64_t query_begin, int64_t query_end, int64_t keep, SharedCuts& cuts,
-                                std::vector<std::vector<Estimate>>& out) {
+                                std::vector<std::vector<Estimate>>& out, bool amx) {
   const int64_t nq = query_end - query_begin, tiles = (nq + kLanes - 1) / kLanes, first_tile = query_begin / kLanes;
   const float* inverse = queries.inverse.data() + query_begin;
   std::vector<Best> best(static_cast<size_t>(nq), Best(keep));
   std::vector<float> threshold(static_cast<size_t>(tiles * kLanes), kNegInf);
   const int64_t stride = d.width;
-  const int64_t tile_rows = std::max<int64_t>(1, kTileBytes / std::max<int64_t>(1, stride) / kRowsPerCall) * kRowsPerCall;
+  const int64_t tile_rows = std::max<int64_t>(1, kTileBytes / std::max<int64_t>(1, stride) / kRowGroup) * kRowGroup;
   std::vector<int8_t> decoded(static_cast<size_t>(tile_rows * stride), 0);
   std::vector<int32_t> correction(static_cast<size_t>(tile_rows));
   std::vector<float> scale(static_cast<size_t>(tile_rows)), bias(static_cast<size_t>(tile_rows));
-  alignas(64) int32_t sums[2 * kRowsPerCall * kLanes];
+  alignas(64) int32_t sums[2 * kAmxRows * kLanes];
+  if (amx) load_amx_config();
   for (int64_t start = row_begin; start < row_end; start += tile_rows) {
     const int64_t n = std::min(tile_rows, row_end - start);
     for (int64_t q = 0; q < nq; ++q) {  // what the other parts found so far
@@ -259,6 +311,15 @@ TQVEC_VNNI void candidates_vnni(const Int8Decoder& d, const Rows& rows, int64_t 
     }
     for (int64_t t = 0; t < tiles; t += 2) {
       const uint8_t* qt[2] = {queries.tile(first_tile + t), t + 1 < tiles ? queries.tile(first_tile + t + 1) : nullptr};
+      if (amx) {  // queries.tiles is even: a last odd tile pairs with a padding one, whose lanes offer skips
+        qt[1] = queries.tile(first_tile + t + 1);
+        for (int64_t r = 0; r < n; r += kAmxRows) {
+          products_amx(qt, decoded.data() + r * stride, stride, d.width / kBlockBytes, sums);
+          const int count = static_cast<int>(std::min<int64_t>(kAmxRows, n - r));
+          offer<2>(sums, &correction[r], &scale[r], &bias[r], start + r, count, t, nq, inverse, best, threshold, cuts);
+        }
+        continue;
+      }
       for (int64_t r = 0; r < n; r += kRowsPerCall) {
         const int count = static_cast<int>(std::min<int64_t>(kRowsPerCall, n - r));
         const int8_t* block = decoded.data() + r * stride;
@@ -272,6 +333,7 @@ TQVEC_VNNI void candidates_vnni(const Int8Decoder& d, const Rows& rows, int64_t 
       }
     }
   }
+  if (amx) release_amx();
   for (int64_t q = 0; q < nq; ++q) best[q].append(out[q]);
 }
 #endif  // TQVEC_X86
@@ -335,9 +397,30 @@ Int8Decoder int8_decoder(const Plan& plan) {
     d.steps.push_back(step);
     ++t;
   }
-  d.width = (out + 3) / 4 * 4;
+  d.width = (out + kBlockBytes - 1) / kBlockBytes * kBlockBytes;
   d.channel_of.resize(static_cast<size_t>(d.width), -1);
   return d;
+}
+
+bool has_amx() {
+#ifdef TQVEC_X86
+  // CPUID.(7, 0):EDX bit 24 AMX-TILE, bit 25 AMX-INT8; Linux then grants the tile data state on request
+  // (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), once per process
+  static const bool ready = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!has_avx512_vnni() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !((edx >> 24) & 1u) || !((edx >> 25) & 1u))
+      return false;
+#ifdef __linux__
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return ready;
+#else
+  return false;
+#endif
 }
 
 bool has_avx512_vnni() {
@@ -362,7 +445,7 @@ void SharedCuts::raise(int64_t q, float value) {
 
 Int8Queries int8_queries(const Int8Decoder& decoder, const float* queries, int64_t nq, int64_t dim, int threads) {
   Int8Queries out;
-  out.tiles = (nq + kLanes - 1) / kLanes;
+  out.tiles = (nq + 2 * kLanes - 1) / (2 * kLanes) * 2;  // even: the AMX kernel reads tiles in pairs
   out.groups = decoder.width / 4;
   const size_t size = static_cast<size_t>(out.tiles * out.groups * 64);
   out.bytes.reset(static_cast<uint8_t*>(std::aligned_alloc(64, std::max<size_t>(64, size))));
@@ -381,12 +464,13 @@ Int8Queries int8_queries(const Int8Decoder& decoder, const float* queries, int64
 }
 
 void int8_candidates(const Int8Decoder& decoder, const Rows& rows, int64_t row_begin, int64_t row_end, const Int8Queries& queries,
-                     int64_t query_begin, int64_t query_end, int64_t keep, SharedCuts& cuts, std::vector<std::vector<Estimate>>& out) {
+                     int64_t query_begin, int64_t query_end, int64_t keep, SharedCuts& cuts, std::vector<std::vector<Estimate>>& out,
+                     bool use_amx) {
 #ifdef TQVEC_X86
-  candidates_vnni(decoder, rows, row_begin, row_end, queries, query_begin, query_end, keep, cuts, out);
+  candidates_vnni(decoder, rows, row_begin, row_end, queries, query_begin, query_end, keep, cuts, out, use_amx && has_amx());
 #else
   (void)decoder, (void)rows, (void)row_begin, (void)row_end, (void)queries, (void)query_begin, (void)query_end, (void)keep,
-      (void)cuts, (void)out;
+      (void)cuts, (void)out, (void)use_amx;
 #endif
 }
 

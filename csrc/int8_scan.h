@@ -26,8 +26,9 @@ namespace tqvec {
 // How one plan's rows decode to signed bytes. Byte runs (consecutive bytes whose two nibbles are two 4-bit
 // codes of one channel each, all with one level table) decode 32 bytes at a time with two byte shuffles; runs of
 // 3-bit codes (groups of 8 codes in 3 bytes from a byte boundary, one table) a group at a time (a bit deposit
-// spreads the 8 codes over 8 bytes, one shuffle looks them up); the other steps one code at a time. The decoded row holds `width` bytes (a multiple of 4; zeros past the channels),
-// byte i holding channel channel_of[i] (-1 for padding).
+// spreads the 8 codes over 8 bytes, one shuffle looks them up); the other steps one code at a time. The decoded
+// row holds `width` bytes (a multiple of 64; zeros past the channels), byte i holding channel channel_of[i] (-1 for
+// padding).
 struct Int8Decoder {
   struct ByteRun {
     int32_t byte, bytes, out, table;  // the run's bytes [byte, byte + bytes) decode to out .. out + 2 * bytes
@@ -54,6 +55,10 @@ Int8Decoder int8_decoder(const Plan& plan);
 
 // True when this CPU runs the int8 kernel (AVX-512 F, BW, VL and VNNI, and BMI2).
 bool has_avx512_vnni();
+
+// True when the int8 kernel's products can run on AMX tiles (AMX-TILE and AMX-INT8, and the operating system's
+// permission, asked for once per process).
+bool has_amx();
 
 // Per query, an estimate that `keep` rows scanned so far (by any of the threads that scan parts of the rows) exceed:
 // a row whose estimate does not is not among the `keep` best, so every part skips it. Raised by every part.
@@ -87,8 +92,9 @@ Int8Queries int8_queries(const Int8Decoder& decoder, const float* queries, int64
 // [row_begin, row_end) of `rows` with the largest estimates of scale_r * <q, o_r> + bias_r, appended to
 // out[q - query_begin] with those estimates (any order; fewer where the range holds fewer rows with a finite
 // estimate, or where rows of other parts beat them: `cuts`, indexed from query_begin, shared by the parts of the
-// rows that the same queries scan). Needs has_avx512_vnni().
+// rows that the same queries scan); the products on AMX tiles where `use_amx` and has_amx(). Needs has_avx512_vnni().
 void int8_candidates(const Int8Decoder& decoder, const Rows& rows, int64_t row_begin, int64_t row_end, const Int8Queries& queries,
-                     int64_t query_begin, int64_t query_end, int64_t keep, SharedCuts& cuts, std::vector<std::vector<Estimate>>& out);
+                     int64_t query_begin, int64_t query_end, int64_t keep, SharedCuts& cuts, std::vector<std::vector<Estimate>>& out,
+                     bool use_amx);
 
 }  // namespace tqvec

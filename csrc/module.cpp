@@ -236,7 +236,7 @@ const char* run_search(const PlanHandle& plan, const RowsHandle& source, const f
   const tqvec::SearchArgs args{plan.view(), plan.steps(), source.rows(), groups, queries, nq, dim, k, rescore, source.layout(),
                                source.signs(), source.ordered(), confidence, threads, values, rows, exact};
   nb::gil_scoped_release release;
-  return tqvec::search(args, static_cast<tqvec::Isa>(std::clamp(max_isa, 0, 3)));
+  return tqvec::search(args, static_cast<tqvec::Isa>(std::clamp(max_isa, 0, 4)));
 }
 
 // A (nq, k) numpy array owning `data`.
@@ -432,4 +432,5 @@ NB_MODULE(_native, m) {
   m.def("has_avx2", &tqvec::has_avx2, "True when this CPU runs the AVX2 kernel.");
   m.def("has_avx512", &tqvec::has_avx512, "True when this CPU runs the AVX-512 kernel.");
   m.def("has_avx512_vnni", &tqvec::has_avx512_vnni, "True when this CPU runs the int8 batch kernel (AVX-512 VNNI).");
+  m.def("has_amx", &tqvec::has_amx, "True when the int8 batch kernel runs its products on AMX tiles (AMX-INT8).");
 }

@@ -170,7 +170,7 @@ def test_every_kernel_returns_the_same_rows(layout: str, dim: int, bits: float) 
         values, rows, used, _ = _fastscan._native.search(plan.handle, source, rotated.numpy(), probe, constant, 10, 64,
                                                       _fastscan.CONFIDENCE, 1, isa)
         two_stage = chosen in ("signs", "high-pairs", "high-nibbles")
-        simd_name = "avx512" if name == "avx512-vnni" else name  # the int8 kernel serves flat batches only
+        simd_name = "avx512" if name in ("avx512-vnni", "amx") else name  # the int8 kernel serves flat batches only
         assert used == ("scalar" if not isa or chosen == "lists" else simd_name + ("-two-stage" if two_stage else ""))
         out[name] = (values, rows)
     for name in _fastscan.kernels()[1:]:
@@ -180,8 +180,9 @@ def test_every_kernel_returns_the_same_rows(layout: str, dim: int, bits: float) 
 @pytest.mark.parametrize("dim,bits", [(93, 3), (384, 4), (45, 3.5), (67, 3.2), (77, 5.5), (200, 8)])
 def test_flat_batches_by_int8_products_return_the_same_rows(monkeypatch, dim: int, bits: float) -> None:
     """A flat batch of 70 queries over 1,001 rows (with AVX-512 VNNI the int8 kernel: rows decoded to byte levels,
-    byte runs of 4-bit codes, 3-bit runs, single steps and straddling codes, 16-query tiles with a partial last one,
-    candidates re-scored exactly) returns the scalar kernel's rows, with per-query constants and k past the rows."""
+    byte runs of 4-bit codes, 3-bit runs, single steps and straddling codes, 16-query tiles with a partial last one
+    (with AMX: an odd number of tiles, the last paired with a padding tile), candidates re-scored exactly) returns the
+    scalar kernel's rows, with per-query constants and k past the rows."""
     if not _fastscan.simd():
         pytest.skip("this CPU has no AVX2 + FMA: only the scalar kernel exists")
     monkeypatch.setattr(_fastscan, "TWO_STAGE_MIN_CHANNELS", 1)
@@ -197,7 +198,7 @@ def test_flat_batches_by_int8_products_return_the_same_rows(monkeypatch, dim: in
         for isa, name in enumerate(_fastscan.kernels()):
             values, rows, used, exact = _fastscan._native.search(plan.handle, source, rotated, probe, constant, k,
                                                                  _fastscan.rescore_count(k), _fastscan.CONFIDENCE, 2, isa)
-            if name == "avx512-vnni":
+            if name in ("avx512-vnni", "amx"):
                 assert used == name and np.all(exact == min(1001, max(k, _fastscan.rescore_count(k))))
             out[name] = (values, rows)
         for name in _fastscan.kernels()[1:]:
@@ -223,11 +224,12 @@ def test_int8_batches_split_rows_across_threads(monkeypatch, threads: int) -> No
     def search(k: int, rescore: int, threads: int, isa: int):
         values, rows, used, exact = _fastscan._native.search(plan.handle, source, rotated, *none, k, rescore,
                                                              _fastscan.CONFIDENCE, threads, isa)
-        assert used == ("avx512-vnni" if isa == 3 else "scalar") and (isa < 3 or np.all(exact == rescore))
+        assert used == _fastscan.kernels()[isa] and (isa < 3 or np.all(exact == rescore))
         return values, rows
 
-    _assert_same_results(search(40, 40, 1, 3), search(40, 40, threads, 3))
-    _assert_same_results(search(10, 32, 1, 0), search(10, 32, threads, 3))
+    for isa in range(3, len(_fastscan.kernels())):  # VPDPBUSD, and AMX tiles where the CPU has them
+        _assert_same_results(search(40, 40, 1, isa), search(40, 40, threads, isa))
+        _assert_same_results(search(10, 32, 1, 0), search(10, 32, threads, isa))
 
 
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])

@@ -14,7 +14,8 @@ themselves in such blocks with 8-bit tables, the best ``rescore`` rows by that e
 ``rescore``-th place. Other codes, or a CPU without AVX2, take the exact kernel: float tables for every row (an
 inverted file's rows copied in list order). A flat batch of two-stage codes (at least 32 queries) on a CPU with
 AVX-512 VNNI takes the int8 kernel instead (``csrc/int8_scan.h``): each row decoded once to byte levels for all the
-batch's queries, 8-bit products of 16 queries at a time, the best ``rescore`` rows re-scored exactly.
+batch's queries, 8-bit products of 16 queries at a time (on AMX tiles where the CPU has AMX-INT8), the best
+``rescore`` rows re-scored exactly.
 QJL signs (``mode="prod"``) are not served: the torch path runs.
 
 :func:`decode_attention` runs one decode step of attention over coded KV-cache tokens (``csrc/attention.cpp``) for
@@ -48,8 +49,9 @@ RESCORE_MIN = 32
 #: ... and this many per result
 RESCORE_PER_RESULT = 2
 _setting = {"kernel": os.environ.get("TQVEC_CPU_KERNEL", "auto")}
-#: the native kernel's instruction-set cap: 0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 VNNI (the best this CPU has is used)
-MAX_ISA = 3
+#: the native kernel's instruction-set cap: 0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 VNNI, 4 AMX (the best this CPU
+#: has is used)
+MAX_ISA = 4
 #: codes of at least this many bits per channel (on average) ...
 TWO_STAGE_MIN_BITS = 3
 #: ... and at least this many channels are scanned in two stages, signs first (the sign estimate's error
@@ -96,12 +98,13 @@ def simd() -> bool:
 
 def kernels() -> tuple[str, ...]:
     """The kernels this CPU runs, fastest last: ``"scalar"`` (exact float tables, any CPU), ``"avx2"`` and
-    ``"avx512"`` (the fast scan with 256- or 512-bit shuffles), ``"avx512-vnni"`` (also the int8 kernel for flat
-    batches). :func:`search` runs the fastest; a kernel's position is its ``max_isa``."""
+    ``"avx512"`` (the fast scan with 256- or 512-bit shuffles), ``"avx512-vnni"`` and ``"amx"`` (also the int8
+    kernel for flat batches, its products by VPDPBUSD or on AMX tiles). :func:`search` runs the fastest; a kernel's
+    position is its ``max_isa``."""
     if _native is None:
         return ()
-    found = (True, _native.has_avx2(), _native.has_avx512(), _native.has_avx512_vnni())
-    return ("scalar", "avx2", "avx512", "avx512-vnni")[: found.index(False) if False in found else len(found)]
+    found = (True, _native.has_avx2(), _native.has_avx512(), _native.has_avx512_vnni(), _native.has_amx())
+    return ("scalar", "avx2", "avx512", "avx512-vnni", "amx")[: found.index(False) if False in found else len(found)]
 
 
 def rescore_count(k: int) -> int:
