@@ -157,32 +157,6 @@ struct ExactSteps {
   std::vector<int32_t> table_steps;  // the steps of pairs and singles: the only float tables exact_dot reads
 };
 
-// True when steps t and t + 1 are the low and high nibble of one byte, each a full 4-bit code.
-inline bool nibble_pair(const Plan& plan, int t) {
-  return plan.shift[t] == 0 && plan.width[t] == 4 && t + 1 < plan.n_steps && plan.byte[t + 1] == plan.byte[t] &&
-         plan.shift[t + 1] == 4 && plan.width[t + 1] == 4;
-}
-
-// Channels per group of a Run of `width`-bit codes (4 or 3): 8 or 3 bytes.
-constexpr int run_channels(int width) { return width == 4 ? 16 : 8; }
-
-// True when steps t .. t + run_channels(width) - 1 are `width`-bit codes packed from a byte boundary (byte[t],
-// shift 0), one channel each, channels consecutive from channel[t], all with the level table of step `first`.
-bool run_group(const Plan& plan, int t, int first, int width) {
-  const int n = run_channels(width);
-  if (t + n > plan.n_steps || plan.shift[t] != 0) return false;
-  const float* table = plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[first];
-  for (int i = 0; i < n; ++i) {
-    const int u = t + i;
-    if (plan.width[u] != width || 8 * plan.byte[u] + plan.shift[u] != 8 * plan.byte[t] + width * i ||
-        plan.channel[u * kMaxStepChannels] != plan.channel[t * kMaxStepChannels] + i ||
-        plan.channel[u * kMaxStepChannels + 1] != -1 ||
-        !std::equal(table, table + (1 << width), plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[u]))
-      return false;
-  }
-  return true;
-}
-
 // The exact scoring steps of `plan`; with `runs`, 4- and 3-bit codes in whole groups of run_channels (run_group)
 // are kept as runs for exact_dot_avx2.
 ExactSteps exact_steps(const Plan& plan, bool runs = false) {
@@ -356,6 +330,20 @@ struct PlanSteps {
   StepOps ops;            // the SIMD kernels' reading of the plan's steps (at most 4 bits each)
   Int8Decoder int8;       // the rows as signed bytes, for the int8 batch kernel
 };
+
+bool run_group(const Plan& plan, int t, int first, int width) {
+  const int n = run_channels(width);
+  if (t + n > plan.n_steps || plan.shift[t] != 0) return false;
+  const float* table = step_levels(plan, first);
+  for (int i = 0; i < n; ++i) {
+    const int u = t + i;
+    if (plan.width[u] != width || 8 * plan.byte[u] + plan.shift[u] != 8 * plan.byte[t] + width * i ||
+        plan.channel[u * kMaxStepChannels] != plan.channel[t * kMaxStepChannels] + i ||
+        plan.channel[u * kMaxStepChannels + 1] != -1 || !std::equal(table, table + (1 << width), step_levels(plan, u)))
+      return false;
+  }
+  return true;
+}
 
 std::shared_ptr<const PlanSteps> plan_steps(const Plan& plan) {
   return std::make_shared<const PlanSteps>(PlanSteps{exact_steps(plan), exact_steps(plan, true), step_ops(plan), int8_decoder(plan)});
@@ -908,36 +896,6 @@ void write_best(int64_t k, std::vector<Candidate>& cands, float* values, int64_t
   }
 }
 
-// Candidates of each query of each work item (found[i][j]: query work[i].query + j), and their exact-score counts.
-using ItemCandidates = std::vector<std::vector<std::vector<Candidate>>>;
-
-// Adds up each query's exact scores over its items into a.out_exact (when asked for).
-void write_exact_counts(const SearchArgs& a, const std::vector<Work>& work, const std::vector<std::vector<int64_t>>& exact_counts) {
-  if (!a.out_exact) return;
-  std::fill(a.out_exact, a.out_exact + a.nq, int64_t{0});
-  for (size_t i = 0; i < work.size(); ++i)
-    for (size_t j = 0; j < exact_counts[i].size(); ++j) a.out_exact[work[i].query + static_cast<int64_t>(j)] += exact_counts[i][j];
-}
-
-// Writes each query's best k of the (exactly scored) candidates of all its items.
-void merge_items(const SearchArgs& a, const std::vector<Work>& work, const ItemCandidates& found, int threads) {
-  std::vector<size_t> first_item(static_cast<size_t>(a.nq) + 1, work.size());
-  for (size_t i = work.size(); i-- > 0;)
-    for (int64_t q = work[i].query; q < work[i].query_end; ++q) first_item[q] = i;
-  auto merge_queries = [&](size_t begin, size_t end) {
-    for (size_t q = begin; q < end; ++q) {
-      std::vector<Candidate> cands;
-      for (size_t i = first_item[q]; i < work.size() && work[i].query <= static_cast<int64_t>(q); ++i)
-        if (static_cast<int64_t>(q) < work[i].query_end) {
-          const auto& part = found[i][q - work[i].query];
-          cands.insert(cands.end(), part.begin(), part.end());
-        }
-      write_best(a.k, cands, a.out_values + q * a.k, a.out_rows + q * a.k);
-    }
-  };
-  parallel_for(static_cast<size_t>(a.nq), threads, merge_queries, 16);
-}
-
 #ifdef TQVEC_X86
 constexpr int64_t kInt8MinQueries = 32;      // queries below which decoding each row costs too much per query
 constexpr int64_t kInt8MaxQueries = 512;     // queries that share the rows' decoding at most (their bytes stay in L2)
@@ -997,17 +955,17 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) const char* search_int8(con
         std::nth_element(estimates.begin(), estimates.begin() + (keep - 1), estimates.end(),
                          [](const Estimate& x, const Estimate& y) { return x.first > y.first; });
       estimates.resize(std::min<size_t>(estimates.size(), static_cast<size_t>(keep)));
-      const float* query = a.queries + q * a.dim;
-      const bool probed = a.groups.probe == nullptr || a.groups.probe[q] == 0;  // -1: the query scans nothing
-      const float constant = a.groups.probe_constant ? a.groups.probe_constant[q] : 0.0f;
-      float_tables_avx2(a.plan, &exact.table_steps, query, lut.get());
-      run_query_order(exact, query, a.dim, kRunChunkAvx512, ordered.get());
       cands.clear();
-      for (const Estimate& e : estimates) {
-        if (!probed) break;
-        const int64_t r = e.second;
-        const float dot = exact_dot_avx512(exact, lut.get(), a.plan.level, ordered.get(), a.rows.packed + r * a.rows.row_bytes);
-        cands.push_back({finish(a.rows, r, dot, constant), r, constant});
+      if (a.groups.probe == nullptr || a.groups.probe[q] == 0) {  // -1: the query scans nothing
+        const float* query = a.queries + q * a.dim;
+        const float constant = a.groups.probe_constant ? a.groups.probe_constant[q] : 0.0f;
+        float_tables_avx2(a.plan, &exact.table_steps, query, lut.get());
+        run_query_order(exact, query, a.dim, kRunChunkAvx512, ordered.get());
+        for (const Estimate& e : estimates) {
+          const int64_t r = e.second;
+          const float dot = exact_dot_avx512(exact, lut.get(), a.plan.level, ordered.get(), a.rows.packed + r * a.rows.row_bytes);
+          cands.push_back({finish(a.rows, r, dot, constant), r, constant});
+        }
       }
       if (a.out_exact) a.out_exact[q] = static_cast<int64_t>(cands.size());
       write_best(a.k, cands, a.out_values + q * a.k, a.out_rows + q * a.k);
@@ -1321,7 +1279,7 @@ const char* search(const SearchArgs& a, Isa max_isa) {
   const PlanSteps& steps = a.steps ? *a.steps : *(derived = plan_steps(a.plan));
   const ExactSteps& exact = steps.exact;
   // candidates per item and query of the item, kept for the merge when a query's rows are split across items
-  ItemCandidates found(work.size());
+  std::vector<std::vector<std::vector<Candidate>>> found(work.size());
   std::vector<std::vector<int64_t>> exact_counts(work.size());  // rows scored exactly, per item and query of the item
   for (size_t i = 0; i < work.size(); ++i) exact_counts[i].resize(static_cast<size_t>(work[i].query_end - work[i].query));
 #ifdef TQVEC_X86
@@ -1385,9 +1343,30 @@ const char* search(const SearchArgs& a, Isa max_isa) {
     }
   };
   parallel_for(work.size(), threads, scan_items);
-  write_exact_counts(a, work, exact_counts);
-  if (parts > 1) merge_items(a, work, found, threads);  // else each query was answered by its only item
-  return two_stage ? (avx512 ? "avx512-two-stage" : "avx2-two-stage") : avx512 ? "avx512" : simd ? "avx2" : "scalar";
+  if (a.out_exact) {
+    std::fill(a.out_exact, a.out_exact + a.nq, int64_t{0});
+    for (size_t i = 0; i < work.size(); ++i)
+      for (size_t j = 0; j < exact_counts[i].size(); ++j) a.out_exact[work[i].query + static_cast<int64_t>(j)] += exact_counts[i][j];
+  }
+  const char* kernel = two_stage ? (avx512 ? "avx512-two-stage" : "avx2-two-stage") : avx512 ? "avx512" : simd ? "avx2" : "scalar";
+  if (parts == 1) return kernel;  // each query was answered by its only item
+  // Merge the (exactly scored) candidates of each query's items.
+  std::vector<size_t> first_item(static_cast<size_t>(a.nq) + 1, work.size());
+  for (size_t i = work.size(); i-- > 0;)
+    for (int64_t q = work[i].query; q < work[i].query_end; ++q) first_item[q] = i;
+  auto merge_queries = [&](size_t begin, size_t end) {
+    for (size_t q = begin; q < end; ++q) {
+      std::vector<Candidate> cands;
+      for (size_t i = first_item[q]; i < work.size() && work[i].query <= static_cast<int64_t>(q); ++i)
+        if (static_cast<int64_t>(q) < work[i].query_end) {
+          const auto& part = found[i][q - work[i].query];
+          cands.insert(cands.end(), part.begin(), part.end());
+        }
+      write_best(a.k, cands, a.out_values + q * a.k, a.out_rows + q * a.k);
+    }
+  };
+  parallel_for(static_cast<size_t>(a.nq), threads, merge_queries, 16);
+  return kernel;
 }
 
 }  // namespace tqvec

@@ -39,6 +39,24 @@ struct Plan {
                             // (kMaxStepChannels, 2^width): the level of each covered channel per table entry
 };
 
+// Step t's table: (kMaxStepChannels, 2^width[t]) levels, each covered channel's level per code.
+inline const float* step_levels(const Plan& plan, int t) {
+  return plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[t];
+}
+
+// True when steps t and t + 1 are the low and high nibble of one byte, each a full 4-bit code.
+inline bool nibble_pair(const Plan& plan, int t) {
+  return plan.shift[t] == 0 && plan.width[t] == 4 && t + 1 < plan.n_steps && plan.byte[t + 1] == plan.byte[t] &&
+         plan.shift[t + 1] == 4 && plan.width[t + 1] == 4;
+}
+
+// Channels per group of a run of `width`-bit codes (4 or 3): 8 or 3 bytes.
+constexpr int run_channels(int width) { return width == 4 ? 16 : 8; }
+
+// True when steps t .. t + run_channels(width) - 1 are `width`-bit codes packed from a byte boundary (byte[t],
+// shift 0), one channel each, channels consecutive from channel[t], all with the level table of step `first`.
+bool run_group(const Plan& plan, int t, int first, int width);
+
 // How the kernels read a plan (its exact scoring steps, and the SIMD kernels' step operations): derived once per
 // plan and passed with it.
 struct PlanSteps;

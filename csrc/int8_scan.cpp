@@ -31,8 +31,6 @@ constexpr int kAmxRows = 32;      // rows per AMX call: two tiles of 16 rows, ti
 constexpr int64_t kRowGroup = 96; // decoded rows per tile come in multiples of this (of kRowsPerCall and kAmxRows)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-const float* step_levels(const Plan& plan, int t) { return plan.level + static_cast<size_t>(kMaxStepChannels) * plan.offset[t]; }
-
 int covered(const Plan& plan, int t) {
   int n = 0;
   while (n < kMaxStepChannels && plan.channel[t * kMaxStepChannels + n] >= 0) ++n;
@@ -42,25 +40,9 @@ int covered(const Plan& plan, int t) {
 // True when step t is the low nibble and step t + 1 the high nibble of one byte, each one channel's 4-bit code,
 // both with the 16 levels of step `first`.
 bool run_byte(const Plan& plan, int t, int first) {
-  if (t + 1 >= plan.n_steps || plan.byte[t + 1] != plan.byte[t] || plan.shift[t] != 0 || plan.shift[t + 1] != 4 ||
-      plan.width[t] != 4 || plan.width[t + 1] != 4 || covered(plan, t) != 1 || covered(plan, t + 1) != 1)
-    return false;
+  if (!nibble_pair(plan, t) || covered(plan, t) != 1 || covered(plan, t + 1) != 1) return false;
   const float* table = step_levels(plan, first);
   return std::equal(table, table + 16, step_levels(plan, t)) && std::equal(table, table + 16, step_levels(plan, t + 1));
-}
-
-// True when steps t .. t + 7 are 8 channels' 3-bit codes packed from the start of byte[t], with the 8 levels of
-// step `first`.
-bool three_bit_group(const Plan& plan, int t, int first) {
-  if (t + 8 > plan.n_steps || plan.shift[t] != 0) return false;
-  const float* table = step_levels(plan, first);
-  for (int i = 0; i < 8; ++i) {
-    const int u = t + i;
-    if (plan.width[u] != 3 || covered(plan, u) != 1 || 8 * plan.byte[u] + plan.shift[u] != 8 * plan.byte[t] + 3 * i ||
-        !std::equal(table, table + 8, step_levels(plan, u)))
-      return false;
-  }
-  return true;
 }
 
 int8_t to_byte(float level, float scale) {
@@ -194,20 +176,20 @@ TQVEC_VNNI void quantize_query(const Int8Decoder& d, const float* x, int64_t dim
   *inverse = 1.0f / (scale * d.level_scale);
   const __m512 gain = _mm512_set1_ps(scale);
   const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127), zero = _mm512_set1_epi32(128);
-  for (int64_t i = 0; i < d.width; i += kLanes) {  // d.width is a multiple of 4: whole groups of 4 bytes
-    const __mmask16 in = d.width - i >= kLanes ? kAll16 : static_cast<__mmask16>((1u << (d.width - i)) - 1u);
-    const __m512i channel = _mm512_maskz_loadu_epi32(in, d.channel_of.data() + i);
-    const __mmask16 used = _mm512_mask_cmpge_epi32_mask(in, channel, _mm512_setzero_si512());
+  for (int64_t i = 0; i < d.width; i += kLanes) {  // d.width is a multiple of 64: whole groups of 4 bytes
+    const __m512i channel = _mm512_loadu_si512(d.channel_of.data() + i);
+    const __mmask16 used = _mm512_cmpge_epi32_mask(channel, _mm512_setzero_si512());
     const __m512 value = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), used, channel, x, 4);
     const __m512i rounded = _mm512_maskz_cvtps_epi32(kAll16, _mm512_mul_ps(value, gain));  // to nearest
     const __m512i code = _mm512_maskz_min_epi32(kAll16, _mm512_maskz_max_epi32(kAll16, rounded, low), high);
     alignas(16) uint8_t bytes[kLanes];
     _mm_store_si128(reinterpret_cast<__m128i*>(bytes), _mm512_maskz_cvtepi32_epi8(kAll16, _mm512_add_epi32(code, zero)));
-    for (int64_t g = 0; g < kLanes / 4 && i + 4 * g < d.width; ++g) std::memcpy(lane + (i / 4 + g) * 64, bytes + 4 * g, 4);
+    for (int64_t g = 0; g < kLanes / 4; ++g) std::memcpy(lane + (i / 4 + g) * 64, bytes + 4 * g, 4);
   }
 }
 
-// Offers rows [first, first + n) (n <= kRowsPerCall) of a products call over tiles [tile, tile + V) to the queries.
+// Offers rows [first, first + n) of a products call (n <= kRowsPerCall, or kAmxRows for products_amx) over tiles
+// [tile, tile + V) to the queries.
 template <int V>
 TQVEC_VNNI void offer(const int32_t* sums, const int32_t* correction, const float* scale, const float* bias, int64_t first,
                       int n, int64_t tile, int64_t nq, const float* inverse, std::vector<Best>& best,
@@ -217,11 +199,11 @@ TQVEC_VNNI void offer(const int32_t* sums, const int32_t* correction, const floa
     const __m512 gain = _mm512_set1_ps(scale[r]), offset = _mm512_set1_ps(bias[r]);
     for (int v = 0; v < V; ++v) {
       const int64_t q0 = (tile + v) * kLanes;
+      if (q0 >= nq) break;  // a padding tile
       const __m512i sum = _mm512_sub_epi32(_mm512_loadu_si512(sums + (r * V + v) * kLanes), shift);
       const __m512 dot = _mm512_mul_ps(_mm512_maskz_cvtepi32_ps(kAll16, sum), _mm512_loadu_ps(inverse + q0));
       const __m512 estimate = _mm512_fmadd_ps(dot, gain, offset);
       __mmask16 passing = _mm512_cmp_ps_mask(estimate, _mm512_loadu_ps(threshold.data() + q0), _CMP_GT_OQ);
-      if (q0 >= nq) break;  // a padding tile
       if (nq - q0 < kLanes) passing &= static_cast<__mmask16>((1u << (nq - q0)) - 1u);
       if (!passing) continue;
       alignas(64) float value[kLanes];
@@ -241,7 +223,7 @@ TQVEC_VNNI void offer(const int32_t* sums, const int32_t* correction, const floa
 // The AMX form of `products` (AMX-INT8): tiles 4 and 5 hold 16 decoded rows each (signed bytes, 64 channels), 6 and 7
 // 16 queries each (unsigned bytes, 4 channels per 32-bit lane, as qt stores them), 0 to 3 the 32-bit sums of rows
 // (tile rows) by queries (columns); TDPBSUD adds 64 channels of all 16 x 16 pairs. Writes the sums of kAmxRows rows
-// with two tiles of queries to sums[(r * 2 + v) * 16 + lane]. The caller has loaded amx_config().
+// with two tiles of queries to sums[(r * 2 + v) * 16 + lane]. The caller has called load_amx_config().
 #define TQVEC_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,bmi2")))
 TQVEC_AMX void products_amx(const uint8_t* const* qt, const int8_t* rows, int64_t stride, int64_t blocks, int32_t* sums) {
   _tile_zero(0);
@@ -279,7 +261,7 @@ TQVEC_AMX void load_amx_config() {
 
 TQVEC_AMX void release_amx() { _tile_release(); }
 
-TQVEC_VNNI void candidates_vnni(const Int8Decoder& d, const Rows& rows, int64_t row_begin, int64_t row_end,
+TQVEC_VNNI void scan_candidates(const Int8Decoder& d, const Rows& rows, int64_t row_begin, int64_t row_end,
                                 const Int8Queries& queries, int64_t query_begin, int64_t query_end, int64_t keep, SharedCuts& cuts,
                                 std::vector<std::vector<Estimate>>& out, bool amx) {
   const int64_t nq = query_end - query_begin, tiles = (nq + kLanes - 1) / kLanes, first_tile = query_begin / kLanes;
@@ -324,10 +306,10 @@ TQVEC_VNNI void candidates_vnni(const Int8Decoder& d, const Rows& rows, int64_t 
         const int count = static_cast<int>(std::min<int64_t>(kRowsPerCall, n - r));
         const int8_t* block = decoded.data() + r * stride;
         if (qt[1]) {
-          products<2>(qt, block, stride, queries.groups, sums);
+          products<2>(qt, block, stride, d.channel_groups, sums);
           offer<2>(sums, &correction[r], &scale[r], &bias[r], start + r, count, t, nq, inverse, best, threshold, cuts);
         } else {
-          products<1>(qt, block, stride, queries.groups, sums);
+          products<1>(qt, block, stride, d.channel_groups, sums);
           offer<1>(sums, &correction[r], &scale[r], &bias[r], start + r, count, t, nq, inverse, best, threshold, cuts);
         }
       }
@@ -372,15 +354,15 @@ Int8Decoder int8_decoder(const Plan& plan) {
       d.runs.push_back(run);
       continue;
     }
-    if (three_bit_group(plan, t, t)) {
+    if (run_group(plan, t, t, 3)) {
       Int8Decoder::ThreeBitRun run{plan.byte[t], 0, out, static_cast<int32_t>(d.run_levels.size() / 16)};
       for (int i = 0; i < 16; ++i) d.run_levels.push_back(i < 8 ? to_byte(step_levels(plan, t)[i], d.level_scale) : 0);
       const int first = t;
-      while (three_bit_group(plan, t, first) && plan.byte[t] == run.byte + 3 * run.groups &&
+      while (run_group(plan, t, first, 3) && plan.byte[t] == run.byte + 3 * run.groups &&
              plan.channel[t * kMaxStepChannels] == plan.channel[first * kMaxStepChannels] + 8 * run.groups) {
-        for (int i = 0; i < 8; ++i) d.channel_of.push_back(plan.channel[(t + i) * kMaxStepChannels]);
+        for (int i = 0; i < run_channels(3); ++i) d.channel_of.push_back(plan.channel[(t + i) * kMaxStepChannels]);
         ++run.groups;
-        t += 8;
+        t += run_channels(3);
       }
       out += 8 * run.groups;
       d.three_bit_runs.push_back(run);
@@ -397,6 +379,7 @@ Int8Decoder int8_decoder(const Plan& plan) {
     d.steps.push_back(step);
     ++t;
   }
+  d.channel_groups = (out + 3) / 4;
   d.width = (out + kBlockBytes - 1) / kBlockBytes * kBlockBytes;
   d.channel_of.resize(static_cast<size_t>(d.width), -1);
   return d;
@@ -467,7 +450,7 @@ void int8_candidates(const Int8Decoder& decoder, const Rows& rows, int64_t row_b
                      int64_t query_begin, int64_t query_end, int64_t keep, SharedCuts& cuts, std::vector<std::vector<Estimate>>& out,
                      bool use_amx) {
 #ifdef TQVEC_X86
-  candidates_vnni(decoder, rows, row_begin, row_end, queries, query_begin, query_end, keep, cuts, out, use_amx && has_amx());
+  scan_candidates(decoder, rows, row_begin, row_end, queries, query_begin, query_end, keep, cuts, out, use_amx);
 #else
   (void)decoder, (void)rows, (void)row_begin, (void)row_end, (void)queries, (void)query_begin, (void)query_end, (void)keep,
       (void)cuts, (void)out, (void)use_amx;

@@ -47,6 +47,7 @@ struct Int8Decoder {
   std::vector<int8_t> step_levels;  // per step, code-major: entry + code * channels + j
   std::vector<int32_t> channel_of;  // (width,)
   int64_t width = 0;
+  int64_t channel_groups = 0;  // the groups of 4 bytes that hold channels (the rest of width is zeros)
   float level_scale = 1.0f;
 };
 
@@ -92,7 +93,8 @@ Int8Queries int8_queries(const Int8Decoder& decoder, const float* queries, int64
 // [row_begin, row_end) of `rows` with the largest estimates of scale_r * <q, o_r> + bias_r, appended to
 // out[q - query_begin] with those estimates (any order; fewer where the range holds fewer rows with a finite
 // estimate, or where rows of other parts beat them: `cuts`, indexed from query_begin, shared by the parts of the
-// rows that the same queries scan); the products on AMX tiles where `use_amx` and has_amx(). Needs has_avx512_vnni().
+// rows that the same queries scan); the products on AMX tiles where `use_amx` (which needs has_amx()). Needs
+// has_avx512_vnni().
 void int8_candidates(const Int8Decoder& decoder, const Rows& rows, int64_t row_begin, int64_t row_end, const Int8Queries& queries,
                      int64_t query_begin, int64_t query_end, int64_t keep, SharedCuts& cuts, std::vector<std::vector<Estimate>>& out,
                      bool use_amx);
