@@ -910,15 +910,18 @@ bool int8_batch(const SearchArgs& a, Isa max_isa) {
          has_avx512_vnni();
 }
 
-// The flat batch by int8 products (int8_scan.h): queries in chunks of up to kInt8MaxQueries, each chunk's rows split
-// into parts so that there is a part for every thread (each part decodes its rows once for the chunk's queries, the
-// parts of a chunk share their cuts); then per query the max(k, rescore) best rows by estimate over all parts,
-// scored exactly with the float tables. The products on AMX tiles where `amx`.
+// The flat batch by int8 products (int8_scan.h): queries in chunks of up to kInt8MaxQueries, a chunk per thread where
+// each still holds kInt8MinQueries (a chunk decodes every row once for its queries); only with fewer chunks than
+// threads are a chunk's rows split into parts, which share their cuts (a split makes each query's cut rise once per
+// part, docs/native.md). Then per query the
+// max(k, rescore) best rows by estimate over all parts, scored exactly with the float tables. The products on AMX
+// tiles where `amx`.
 __attribute__((target("avx512f,avx512bw,avx2,fma"))) const char* search_int8(const SearchArgs& a, const PlanSteps& steps,
                                                                           int threads, bool amx) {
   const int64_t lo = a.groups.offsets[0], hi = a.groups.offsets[1];
   const int64_t keep = std::min<int64_t>(std::max(a.k, a.rescore), std::max<int64_t>(1, a.rows.n));
-  const int64_t fewest = (a.nq + kInt8MaxQueries - 1) / kInt8MaxQueries;
+  const int64_t fewest = std::max<int64_t>((a.nq + kInt8MaxQueries - 1) / kInt8MaxQueries,
+                                           std::min<int64_t>(threads, a.nq / kInt8MinQueries));
   const int64_t per_chunk = ((a.nq + fewest - 1) / fewest + 15) / 16 * 16;  // whole tiles of 16 queries
   const int64_t chunks = (a.nq + per_chunk - 1) / per_chunk;
   const int64_t parts = std::clamp<int64_t>((threads + chunks - 1) / chunks, 1, std::max<int64_t>(1, (hi - lo) / kInt8MinRowsPerPart));
