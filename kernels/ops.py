@@ -9,7 +9,9 @@ Search runs in two stages and never writes the ``(nq, n)`` score matrix:
    tensor cores (float16 operands, float32 accumulation; each query is first scaled by
    ``1 / max|q|`` so float16 keeps 11 significant bits) and writes only each query's maximum per
    group: an ``(nq, n / block_n)`` matrix. A single query over narrow 4-bit segments instead goes
-   through :func:`~.scan_kernel.matvec_kernel` (exact float32 on CUDA cores, same output).
+   through :func:`~.scan_kernel.matvec_kernel` (exact float32 on CUDA cores, same output). Large batches
+   (:data:`INT8_MIN_QUERIES`) go through :mod:`.int8_stage` instead: rows decoded once per search to int8
+   levels, queries scaled by ``127 / max|q|`` and rounded to int8, int32 products on tensor cores.
 2. :func:`~.topk.row_topk` (Triton, exact up to the order of ties; see :mod:`.topk`) picks the
    ``k + GROUP_MARGIN`` best groups per query, and :func:`~.scan_kernel.refine_kernel` rescores their
    rows in exact float32, keeping each refined slice's best ``k`` (rounded up to a power of two); a last
@@ -18,7 +20,8 @@ Search runs in two stages and never writes the ``(nq, n)`` score matrix:
    :attr:`SearchSettings.triton_topk` off (then every refined score is a candidate).
 
 The groups holding the true top-k always have one of the k largest exact group maxima; the margin
-absorbs the float16 rounding of stage 1 (relative error ≲ 2⁻¹⁰ of Σ|q_c·ŷ_c|), so results equal the
+absorbs the rounding of stage 1 (float16: relative error ≲ 2⁻¹⁰ of Σ|q_c·ŷ_c|; int8: each query coordinate
+and level within half a step of its 255-step grid), so results equal the
 float32 reference except where more than ``GROUP_MARGIN`` groups sit within that rounding of the
 k-th score (near-ties).
 
@@ -50,6 +53,7 @@ from tqvec.scan import CodeBlock, CodeTable
 from . import topk as topk_kernels
 from .encode_kernel import encode_kernel
 from .graphs import GraphCache, capture_graph
+from .int8_stage import decode_kernel, group_max_kernel
 from .launch import cdiv, pow2
 from .scan_kernel import half_queries_kernel, matvec_kernel, refine_kernel, tile_kernel
 
@@ -65,6 +69,19 @@ MAX_GROUP_SCORES = 1 << 28
 MATVEC_MAX_DIM = 768
 #: rows per program of :func:`~.scan_kernel.refine_kernel` (chosen groups are refined in such slices)
 REFINE_ROWS = 128
+#: query batches of at least this many run stage 1 on int8 tensor cores (:mod:`.int8_stage`: rows decoded once per
+#: search, not once per query tile), or of :data:`INT8_MIN_QUERIES_NARROW` where the rows have at most
+#: :data:`INT8_NARROW_DIM` channels: H200, 1M rows, 4 bits, the two stage-1 times cross at ~220-310 queries for
+#: d = 384-1536 and at ~830 for d = 128 (bench/results/gpu_scan_runs)
+INT8_MIN_QUERIES = 320
+INT8_MIN_QUERIES_NARROW = 1000
+INT8_NARROW_DIM = 192
+#: decoded int8 rows held at once by the int8 stage 1 (bytes; rows are decoded and scanned chunk by chunk)
+INT8_CHUNK_BYTES = 1 << 27
+#: channels per int8 ``tl.dot`` step, query tiles that share a band of row tiles, pipelined load stages
+INT8_BLOCK_K = 64
+INT8_GROUP_Q = 16
+INT8_STAGES = 3
 #: fewest channels per ``tl.dot`` step of the tile kernel: with 16, Triton 3.6 computed wrong tensor-core scores on
 #: the H200 (relative error ~1 for 4-bit codes, float16 and float32 operands alike; 32 and 64 exact)
 MIN_BLOCK_D = 32
@@ -80,6 +97,9 @@ class TileConfig:
 
     ``num_stages`` stays 1: software pipelining of the dependent code/level loads measured up to
     10× slower on the H200.
+
+    ``int8``: search stage 1 by :mod:`.int8_stage` instead (rows decoded once to int8, ``block_q`` × ``block_n``
+    tiles on int8 tensor cores); codes with QJL signs keep the float16 tiles.
     """
 
     block_q: int
@@ -91,6 +111,7 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 1
     matvec: bool = False
+    int8: bool = False
 
     def __post_init__(self) -> None:
         if not self.matvec and self.block_d < MIN_BLOCK_D:
@@ -185,7 +206,9 @@ def tile_config(nq: int, layout: Layout, exact: bool = False, n: int = 0) -> Til
     ``exact``: float32 operands (``scores``), whose tiles need four times the shared memory of the
     float16 search tiles, so fewer channels per step. A single-query search over narrow 4-bit
     segments runs stage 1 on CUDA cores (``matvec``), with more tiles per program on large ``n``
-    (measured on the H200 at 1M and 10M rows).
+    (measured on the H200 at 1M and 10M rows); a search of many queries on int8 tensor cores (``int8``, from
+    :data:`INT8_MIN_QUERIES` queries, or :data:`INT8_MIN_QUERIES_NARROW` for rows of at most
+    :data:`INT8_NARROW_DIM` channels).
     """
     widest = max(d for d, _ in layout.segments)
     four_bit = {b for d, b in layout.segments if d and b} == {4}
@@ -193,8 +216,9 @@ def tile_config(nq: int, layout: Layout, exact: bool = False, n: int = 0) -> Til
         if interpreting():
             return TileConfig(1, 16, 8, tiles=2, matvec=True)
         return TileConfig(1, 32, 64, tiles=128 if n > 1 << 21 else 32, matvec=True)
+    int8 = not exact and nq >= (INT8_MIN_QUERIES_NARROW if layout.dim <= INT8_NARROW_DIM else INT8_MIN_QUERIES)
     if interpreting():
-        return TileConfig(block_q=16, block_n=32, block_d=_pow2_clamp(widest, MIN_BLOCK_D, 32))
+        return TileConfig(block_q=16, block_n=32, block_d=_pow2_clamp(widest, MIN_BLOCK_D, 32), int8=int8)
     block_q = _pow2_clamp(nq, 16, 128)
     if nq <= 16:
         return TileConfig(16, 128, _pow2_clamp(widest, MIN_BLOCK_D, 64 if exact else 128), rows_as_m=True,
@@ -204,7 +228,7 @@ def tile_config(nq: int, layout: Layout, exact: bool = False, n: int = 0) -> Til
     # H200, N = 1M, 4 bits: two tiles of 128 rows per program with the pair table beat one of 256 rows by 1.1-1.25x
     # at d = 384 to 1536, nq = 100 and 10,000 (bench/results/gpu_scan_runs), and 8 warps with 4 tiles at d = 128
     return TileConfig(block_q, 128, _pow2_clamp(widest, MIN_BLOCK_D, 64 if widest > 128 else 128), tiles=2,
-                      pair_lut=True, num_warps=4)
+                      pair_lut=True, num_warps=4, int8=int8)
 
 
 _DUMMIES: dict[torch.device, torch.Tensor] = {}
@@ -368,10 +392,59 @@ def group_maxima(
     out = torch.empty(q.shape[0], cdiv(len(block), cfg.block_n), dtype=torch.float32, device=q.device)
     if cfg.matvec:
         _launch_matvec(q, p, block, table, out, cfg)
+    elif cfg.int8 and block.signs is None:
+        _int8_group_maxima(q, block, table, out, cfg)
     else:
         qh, ph, qfac = _half_queries(q, p)
         _launch_tiles(qh, ph, qfac, block, table, out, cfg, group_max=True)
     return out
+
+
+def _int8_grid(table: CodeTable) -> tuple[torch.Tensor, torch.Tensor]:
+    """The table's levels on the int8 grid, ``round(levels · 127 / L)`` float32 ``(n_segments, 256)`` with ``L`` the
+    largest level magnitude, and ``(1,)`` the grid's unit ``L / 127`` (both on the table's device, cached on it)."""
+    key = "tqvec.kernels.int8_grid"
+    if key not in table._luts:
+        largest = table.levels.abs().amax().clamp_min(1e-30)
+        table._luts[key] = torch.round(table.levels * (127 / largest)).contiguous()
+        table._luts[key + ".unit"] = (largest / 127).reshape(1).contiguous()
+    return table._luts[key], table._luts[key + ".unit"]
+
+
+def _int8_queries(q: torch.Tensor, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(nq, channels)`` int8 ``round(q · qfac)`` (zero past ``q``'s channels) and ``qfac = 127 / max|q|``."""
+    qfac = 127 / q.abs().amax(1).clamp_min(1e-30)
+    q8 = torch.zeros(q.shape[0], channels, dtype=torch.int8, device=q.device)
+    q8[:, : q.shape[1]] = torch.round(q * qfac[:, None]).to(torch.int8)
+    return q8, qfac
+
+
+def _int8_group_maxima(q: torch.Tensor, block: CodeBlock, table: CodeTable, out: torch.Tensor, cfg: TileConfig) -> None:
+    """Stage 1 on int8 tensor cores (:mod:`.int8_stage`): ``out`` ``(nq, cdiv(n, cfg.block_n))`` = each query's best
+    estimate per group, times its ``qfac``. Rows are decoded in chunks of at most :data:`INT8_CHUNK_BYTES`."""
+    nq, n = q.shape[0], len(block)
+    block_k = 32 if interpreting() else INT8_BLOCK_K
+    channels = cdiv(q.shape[1], block_k) * block_k
+    q8, qfac = _int8_queries(q, channels)
+    grid, unit = _int8_grid(table)
+    chunk = min(cdiv(n, cfg.block_n), max(1, INT8_CHUNK_BYTES // (channels * cfg.block_n))) * cfg.block_n
+    decoded = torch.zeros(chunk, channels, dtype=torch.int8, device=q.device)
+    scale = block.scale.float().contiguous()
+    bias = None if block.bias is None else block.bias.float().contiguous()
+    decode_n = 32 if interpreting() else 64
+    for first in range(0, n, chunk):
+        rows = min(chunk, n - first)
+        packed = block.packed[first: first + rows]
+        decode_kernel[(cdiv(rows, decode_n),)](
+            packed, grid, decoded, rows, packed.stride(0), decoded.stride(0), **segment_args(table.layout),
+            BLOCK_N=decode_n, BLOCK_D=_pow2_clamp(max(d for d, _ in table.layout.segments), 8, 64), num_warps=4,
+        )
+        group_max_kernel[(cdiv(nq, cfg.block_q) * cdiv(rows, cfg.block_n),)](
+            q8, decoded, scale[first:], _dummy(None if bias is None else bias[first:], scale), qfac, out, unit,
+            nq, rows, first // cfg.block_n, q8.stride(0), decoded.stride(0), out.stride(0),
+            K_PAD=channels, HAS_BIAS=bias is not None, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+            GROUP_Q=INT8_GROUP_Q, num_warps=cfg.num_warps, num_stages=1 if interpreting() else INT8_STAGES,
+        )
 
 
 def _topk_block() -> int | None:

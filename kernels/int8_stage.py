@@ -1,0 +1,96 @@
+"""Triton kernels of the search's first stage on int8 tensor cores, for large query batches.
+
+The float16 tile kernel (:func:`~.scan_kernel.tile_kernel`) decodes each code tile once per tile of queries; with
+thousands of queries the decoding, not the products, bounds it. Here a chunk of rows is decoded once, to signed
+bytes on a common grid (level · 127 / L, L the largest level magnitude of the table), and the chunk is then
+multiplied by every query tile, the queries as signed bytes too (q · 127 / max|q|), with int32 accumulation:
+
+* :func:`decode_kernel` writes the int8 levels ``(rows, K_PAD)`` of a chunk of packed rows (channels in query
+  order, the padding channels left as they are: zero);
+* :func:`group_max_kernel` multiplies int8 query tiles by the decoded rows and writes each query's best estimate
+  per group of ``BLOCK_N`` rows, scaled by the query's factor, as :func:`~.scan_kernel.tile_kernel` does with
+  ``GROUP_MAX`` (so the groups are ranked by the same scores, up to the two 8-bit roundings).
+
+Segments are passed as constexprs as in :mod:`.scan_kernel`.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .unpack import segment_values
+
+
+@triton.jit
+def _decode_segment(row_ptrs, row_mask, out_ptrs, levels_ptr, CH: tl.constexpr, DIM: tl.constexpr, BITS: tl.constexpr,
+                    NBYTES: tl.constexpr, BYTE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Store the grid levels of one segment's channels at ``out_ptrs + CH + channel``."""
+    for d0 in range(0, DIM, BLOCK_D):
+        channel = d0 + tl.arange(0, BLOCK_D)
+        v = segment_values(row_ptrs, row_mask, BYTE, d0, levels_ptr, DIM, BITS, NBYTES, False, BLOCK_N, BLOCK_D)
+        tl.store(out_ptrs[:, None] + (CH + channel)[None, :], v.to(tl.int8), mask=row_mask[:, None] & (channel < DIM)[None, :])
+
+
+@triton.jit
+def decode_kernel(
+    packed_ptr, levels_ptr, out_ptr, n, stride_packed, stride_out,
+    S0_CH: tl.constexpr, S0_DIM: tl.constexpr, S0_BITS: tl.constexpr, S0_NBYTES: tl.constexpr,
+    S0_BYTE: tl.constexpr, S0_ROW: tl.constexpr,
+    S1_CH: tl.constexpr, S1_DIM: tl.constexpr, S1_BITS: tl.constexpr, S1_NBYTES: tl.constexpr,
+    S1_BYTE: tl.constexpr, S1_ROW: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Rows ``BLOCK_N · program ..`` of the ``n`` packed rows as int8 grid levels: ``out[row, channel]`` =
+    ``levels[segment, code]`` (``levels`` float32 ``(n_segments, 256)`` holding integers in [-127, 127])."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < n
+    row_ptrs = packed_ptr + rows.to(tl.int64) * stride_packed
+    out_ptrs = out_ptr + rows.to(tl.int64) * stride_out
+    if S0_DIM > 0:
+        _decode_segment(row_ptrs, row_mask, out_ptrs, levels_ptr + S0_ROW * 256, S0_CH, S0_DIM, S0_BITS, S0_NBYTES,
+                        S0_BYTE, BLOCK_N, BLOCK_D)
+    if S1_DIM > 0:
+        _decode_segment(row_ptrs, row_mask, out_ptrs, levels_ptr + S1_ROW * 256, S1_CH, S1_DIM, S1_BITS, S1_NBYTES,
+                        S1_BYTE, BLOCK_N, BLOCK_D)
+
+
+@triton.jit
+def group_max_kernel(
+    q_ptr, rows_ptr, scale_ptr, bias_ptr, qfac_ptr, out_ptr, unit_ptr,
+    nq, n, tile0, stride_q, stride_rows, stride_out,
+    K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_Q: tl.constexpr,
+):
+    """``out[q, tile0 + t]`` = max over rows ``i`` of tile ``t`` of ``unit · scale[i] · ⟨q8, r8_i⟩ + qfac[q] · bias[i]``
+    for the ``n`` decoded rows ``r8`` ``(n, K_PAD)`` int8 and queries ``q8`` ``(nq, K_PAD)`` int8 (``unit`` read from
+    ``unit_ptr``: the grid's step in level units).
+
+    Programs run ``GROUP_Q`` query tiles fastest within a band of row tiles, so that concurrent programs share
+    both operands in L2.
+    """
+    pid = tl.program_id(0)
+    n_q_tiles = tl.cdiv(nq, BLOCK_Q)
+    n_row_tiles = tl.cdiv(n, BLOCK_N)
+    band = pid // (GROUP_Q * n_row_tiles)
+    first_q = band * GROUP_Q
+    q_tiles = tl.minimum(n_q_tiles - first_q, GROUP_Q)
+    q_tile = first_q + (pid % (GROUP_Q * n_row_tiles)) % q_tiles
+    row_tile = (pid % (GROUP_Q * n_row_tiles)) // q_tiles
+    offs_q = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    rows = row_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    q_mask = offs_q < nq
+    row_mask = rows < n
+    channel = tl.arange(0, BLOCK_K)
+    q_ptrs = q_ptr + offs_q.to(tl.int64)[:, None] * stride_q + channel[None, :]
+    r_ptrs = rows_ptr + rows.to(tl.int64)[:, None] * stride_rows + channel[None, :]
+    acc = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.int32)
+    for k0 in range(0, K_PAD, BLOCK_K):
+        a = tl.load(q_ptrs + k0, mask=q_mask[:, None], other=0)
+        b = tl.load(r_ptrs + k0, mask=row_mask[:, None], other=0)
+        acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
+    scores = acc.to(tl.float32) * (tl.load(unit_ptr) * tl.load(scale_ptr + rows, mask=row_mask, other=0.0))[None, :]
+    if HAS_BIAS:
+        qfac = tl.load(qfac_ptr + offs_q, mask=q_mask, other=0.0)
+        scores += qfac[:, None] * tl.load(bias_ptr + rows, mask=row_mask, other=0.0)[None, :]
+    scores = tl.where(row_mask[None, :], scores, float("-inf"))
+    tl.store(out_ptr + offs_q.to(tl.int64) * stride_out + tile0 + row_tile, tl.max(scores, axis=1), mask=q_mask)
