@@ -71,9 +71,10 @@ MATVEC_MAX_DIM = 768
 REFINE_ROWS = 128
 #: query batches of at least this many run stage 1 on int8 tensor cores (:mod:`.int8_stage`: rows decoded once per
 #: search, not once per query tile), or of :data:`INT8_MIN_QUERIES_NARROW` where the rows have at most
-#: :data:`INT8_NARROW_DIM` channels: H200, 1M rows, 4 bits, the two stage-1 times cross at ~220-310 queries for
-#: d = 384-1536 and at ~830 for d = 128 (bench/results/gpu_scan_runs)
-INT8_MIN_QUERIES = 320
+#: :data:`INT8_NARROW_DIM` channels. H200, 1M rows, 4 bits, whole searches: at d = 384-1536 int8 is 1.05-1.08x
+#: faster at 256 queries and float16 1.5x at 100; at d = 128 float16 is 1.25x faster at 256, even at 512, and int8
+#: 1.17x at 1,000 (bench/results/gpu_scan_runs/915cc1c-int8)
+INT8_MIN_QUERIES = 256
 INT8_MIN_QUERIES_NARROW = 1000
 INT8_NARROW_DIM = 192
 #: decoded int8 rows held at once by the int8 stage 1 (bytes; rows are decoded and scanned chunk by chunk)
