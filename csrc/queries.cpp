@@ -151,9 +151,34 @@ __attribute__((always_inline)) inline void walsh_hadamard_scalar(float* x, int64
       }
 }
 
+// v[d], v[d + half] -> ((a + b) * root, (a - b) * root) * next[d], next[d + half] for d in [lo, hi), where a = v[d] * sa
+// and b = v[d + half] * sb (a factor of 1 leaves a value exactly as it is), next null: no factor. Always inlined.
+__attribute__((always_inline)) inline void butterflies(float* v, int64_t half, int64_t lo, int64_t hi, float sa, float sb,
+                                                       float root, const float* next) {
+  float* __restrict__ low = v;
+  float* __restrict__ high = v + half;
+  if (next == nullptr) {
+    for (int64_t d = lo; d < hi; ++d) {
+      const float a = low[d] * sa, b = high[d] * sb;
+      low[d] = (a + b) * root;
+      high[d] = (a - b) * root;
+    }
+    return;
+  }
+  const float* __restrict__ next_low = next;
+  const float* __restrict__ next_high = next + half;
+  for (int64_t d = lo; d < hi; ++d) {
+    const float a = low[d] * sa, b = high[d] * sb;
+    low[d] = (a + b) * root * next_low[d];
+    high[d] = (a - b) * root * next_high[d];
+  }
+}
+
 // Rotates a padded query in place (v holds out_dim floats, the query's dim first, zeros after) with the
 // unnormalized Walsh-Hadamard transform `Fwht`: the Hadamard rotation's signs and transform, or the FHT-Kac
-// rotation's rounds (see QueryTransform). Always inlined, so each caller compiles it for its own ISA.
+// rotation's rounds (see QueryTransform). An FHT-Kac round after its transform makes one pass over the query: the
+// block's scale, the butterflies and the next round's signs (the same products and sums as three passes, which the
+// compiler may fuse into multiply-adds). Always inlined, so each caller compiles it for its own ISA.
 template <void (*Fwht)(float*, int64_t)>
 __attribute__((always_inline)) inline void rotate_with(const QueryTransform& t, float* v) {
   if (t.rounds == 0) {
@@ -165,16 +190,25 @@ __attribute__((always_inline)) inline void rotate_with(const QueryTransform& t, 
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(t.block)), half_root = std::sqrt(0.5f);
   const int64_t half = t.dim / 2;
+  for (int64_t d = 0; d < t.dim; ++d) v[d] *= t.signs[d];
   for (int r = 0; r < t.rounds; ++r) {
-    const float* signs = t.signs + r * t.dim;
-    for (int64_t d = 0; d < t.dim; ++d) v[d] *= signs[d];
-    float* block = v + (r % 2 == 0 ? 0 : t.dim - t.block);
-    Fwht(block, t.block);
-    for (int64_t d = 0; d < t.block; ++d) block[d] *= scale;
-    for (int64_t d = 0; d < half; ++d) {
-      const float a = v[d], b = v[d + half];
-      v[d] = (a + b) * half_root;
-      v[d + half] = (a - b) * half_root;
+    const int64_t first = r % 2 == 0 ? 0 : t.dim - t.block, last = first + t.block;  // the transformed block
+    Fwht(v + first, t.block);
+    const float* next = r + 1 < t.rounds ? t.signs + (r + 1) * t.dim : nullptr;
+    // spans of the butterflies' d over which d and d + half each stay in or out of the block
+    int64_t cuts[6] = {0, half, std::clamp<int64_t>(first, 0, half), std::clamp<int64_t>(last, 0, half),
+                       std::clamp<int64_t>(first - half, 0, half), std::clamp<int64_t>(last - half, 0, half)};
+    std::sort(cuts, cuts + 6);
+    for (int i = 0; i + 1 < 6; ++i) {
+      if (cuts[i] == cuts[i + 1]) continue;
+      const int64_t d = cuts[i];
+      const float sa = d >= first && d < last ? scale : 1.0f, sb = d + half >= first && d + half < last ? scale : 1.0f;
+      butterflies(v, half, cuts[i], cuts[i + 1], sa, sb, half_root, next);
+    }
+    if (t.dim % 2) {  // the last coordinate has no butterfly
+      const int64_t d = t.dim - 1;
+      if (d >= first && d < last) v[d] *= scale;
+      if (next) v[d] *= next[d];
     }
   }
 }

@@ -8,7 +8,7 @@ multiplied by every query tile, the queries as signed bytes too (q · 127 / max|
 * :func:`decode_kernel` writes the int8 levels ``(rows, K_PAD)`` of a chunk of packed rows (channels in query
   order, the padding channels left as they are: zero);
 * :func:`group_max_kernel` multiplies int8 query tiles by the decoded rows and writes each query's best estimate
-  per group of ``BLOCK_N`` rows, scaled by the query's factor, as :func:`~.scan_kernel.tile_kernel` does with
+  per group of ``GROUP_N`` rows, scaled by the query's factor, as :func:`~.scan_kernel.tile_kernel` does with
   ``GROUP_MAX`` (so the groups are ranked by the same scores, up to the two 8-bit roundings).
 
 Segments are passed as constexprs as in :mod:`.scan_kernel`.
@@ -57,13 +57,14 @@ def decode_kernel(
 @triton.jit
 def group_max_kernel(
     q_ptr, rows_ptr, scale_ptr, bias_ptr, qfac_ptr, out_ptr, unit_ptr,
-    nq, n, tile0, stride_q, stride_rows, stride_out,
+    nq, n, group0, stride_q, stride_rows, stride_out,
     K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_Q: tl.constexpr,
+    GROUP_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_Q: tl.constexpr,
 ):
-    """``out[q, tile0 + t]`` = max over rows ``i`` of tile ``t`` of ``unit · scale[i] · ⟨q8, r8_i⟩ + qfac[q] · bias[i]``
-    for the ``n`` decoded rows ``r8`` ``(n, K_PAD)`` int8 and queries ``q8`` ``(nq, K_PAD)`` int8 (``unit`` read from
-    ``unit_ptr``: the grid's step in level units).
+    """``out[q, group0 + g]`` = max over rows ``i`` of group ``g`` (rows ``g · GROUP_N ..``) of
+    ``unit · scale[i] · ⟨q8, r8_i⟩ + qfac[q] · bias[i]`` for the ``n`` decoded rows ``r8`` ``(n, K_PAD)`` int8 and
+    queries ``q8`` ``(nq, K_PAD)`` int8 (``unit`` read from ``unit_ptr``: the grid's step in level units). A program
+    computes a tile of ``BLOCK_Q`` queries × ``BLOCK_N`` rows, ``BLOCK_N / GROUP_N`` groups.
 
     Programs run ``GROUP_Q`` query tiles fastest within a band of row tiles, so that concurrent programs share
     both operands in L2.
@@ -93,4 +94,11 @@ def group_max_kernel(
         qfac = tl.load(qfac_ptr + offs_q, mask=q_mask, other=0.0)
         scores += qfac[:, None] * tl.load(bias_ptr + rows, mask=row_mask, other=0.0)[None, :]
     scores = tl.where(row_mask[None, :], scores, float("-inf"))
-    tl.store(out_ptr + offs_q.to(tl.int64) * stride_out + tile0 + row_tile, tl.max(scores, axis=1), mask=q_mask)
+    out_ptrs = out_ptr + offs_q.to(tl.int64) * stride_out + group0
+    if GROUP_N == BLOCK_N:
+        tl.store(out_ptrs + row_tile, tl.max(scores, axis=1), mask=q_mask)
+    else:
+        GROUPS: tl.constexpr = BLOCK_N // GROUP_N
+        best = tl.max(tl.reshape(scores, (BLOCK_Q, GROUPS, GROUP_N)), axis=2)
+        group = row_tile * GROUPS + tl.arange(0, GROUPS)
+        tl.store(out_ptrs[:, None] + group[None, :], best, mask=q_mask[:, None] & (group * GROUP_N < n)[None, :])

@@ -79,7 +79,13 @@ INT8_MIN_QUERIES_NARROW = 1000
 INT8_NARROW_DIM = 192
 #: decoded int8 rows held at once by the int8 stage 1 (bytes; rows are decoded and scanned chunk by chunk)
 INT8_CHUNK_BYTES = 1 << 27
-#: channels per int8 ``tl.dot`` step, query tiles that share a band of row tiles, pipelined load stages
+#: rows per group of the int8 stage's maxima above :data:`INT8_NARROW_DIM` channels (128 at or below it): H200, 1M rows,
+#: 4 bits, 10,000 queries, whole searches 1.16x / 1.13x faster than with 128 at d = 1536 / 768 (half the rows to
+#: refine), 0.96x at d = 128 (bench/results/gpu_scan_runs/0a5915a-int8-groups)
+INT8_GROUP_ROWS = 64
+#: rows per int8 tile (at least the configuration's group of ``block_n`` rows, a multiple of it; 256 measured 3x
+#: slower), channels per ``tl.dot`` step, query tiles that share a band of row tiles, pipelined load stages
+INT8_TILE_ROWS = 128
 INT8_BLOCK_K = 64
 INT8_GROUP_Q = 16
 INT8_STAGES = 3
@@ -99,8 +105,9 @@ class TileConfig:
     ``num_stages`` stays 1: software pipelining of the dependent code/level loads measured up to
     10× slower on the H200.
 
-    ``int8``: search stage 1 by :mod:`.int8_stage` instead (rows decoded once to int8, ``block_q`` × ``block_n``
-    tiles on int8 tensor cores); codes with QJL signs keep the float16 tiles.
+    ``int8``: search stage 1 by :mod:`.int8_stage` instead (rows decoded once to int8, ``block_q`` ×
+    :data:`INT8_TILE_ROWS` tiles on int8 tensor cores, maxima per group of ``block_n`` rows); codes with QJL signs keep
+    the float16 tiles.
     """
 
     block_q: int
@@ -228,7 +235,8 @@ def tile_config(nq: int, layout: Layout, exact: bool = False, n: int = 0) -> Til
         return TileConfig(block_q, 128, _pow2_clamp(widest, MIN_BLOCK_D, 32), num_warps=8)
     # H200, N = 1M, 4 bits: two tiles of 128 rows per program with the pair table beat one of 256 rows by 1.1-1.25x
     # at d = 384 to 1536, nq = 100 and 10,000 (bench/results/gpu_scan_runs), and 8 warps with 4 tiles at d = 128
-    return TileConfig(block_q, 128, _pow2_clamp(widest, MIN_BLOCK_D, 64 if widest > 128 else 128), tiles=2,
+    group_rows = INT8_GROUP_ROWS if int8 and layout.dim > INT8_NARROW_DIM else 128
+    return TileConfig(block_q, group_rows, _pow2_clamp(widest, MIN_BLOCK_D, 64 if widest > 128 else 128), tiles=2,
                       pair_lut=True, num_warps=4, int8=int8)
 
 
@@ -425,10 +433,11 @@ def _int8_group_maxima(q: torch.Tensor, block: CodeBlock, table: CodeTable, out:
     estimate per group, times its ``qfac``. Rows are decoded in chunks of at most :data:`INT8_CHUNK_BYTES`."""
     nq, n = q.shape[0], len(block)
     block_k = 32 if interpreting() else INT8_BLOCK_K
+    tile_rows = max(cfg.block_n, 32 if interpreting() else INT8_TILE_ROWS)
     channels = cdiv(q.shape[1], block_k) * block_k
     q8, qfac = _int8_queries(q, channels)
     grid, unit = _int8_grid(table)
-    chunk = min(cdiv(n, cfg.block_n), max(1, INT8_CHUNK_BYTES // (channels * cfg.block_n))) * cfg.block_n
+    chunk = min(cdiv(n, tile_rows), max(1, INT8_CHUNK_BYTES // (channels * tile_rows))) * tile_rows
     decoded = torch.zeros(chunk, channels, dtype=torch.int8, device=q.device)
     scale = block.scale.float().contiguous()
     bias = None if block.bias is None else block.bias.float().contiguous()
@@ -440,11 +449,11 @@ def _int8_group_maxima(q: torch.Tensor, block: CodeBlock, table: CodeTable, out:
             packed, grid, decoded, rows, packed.stride(0), decoded.stride(0), **segment_args(table.layout),
             BLOCK_N=decode_n, BLOCK_D=_pow2_clamp(max(d for d, _ in table.layout.segments), 8, 64), num_warps=4,
         )
-        group_max_kernel[(cdiv(nq, cfg.block_q) * cdiv(rows, cfg.block_n),)](
+        group_max_kernel[(cdiv(nq, cfg.block_q) * cdiv(rows, tile_rows),)](
             q8, decoded, scale[first:], _dummy(None if bias is None else bias[first:], scale), qfac, out, unit,
             nq, rows, first // cfg.block_n, q8.stride(0), decoded.stride(0), out.stride(0),
-            K_PAD=channels, HAS_BIAS=bias is not None, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-            GROUP_Q=INT8_GROUP_Q, num_warps=cfg.num_warps, num_stages=1 if interpreting() else INT8_STAGES,
+            K_PAD=channels, HAS_BIAS=bias is not None, BLOCK_Q=cfg.block_q, BLOCK_N=tile_rows, GROUP_N=cfg.block_n,
+            BLOCK_K=block_k, GROUP_Q=INT8_GROUP_Q, num_warps=cfg.num_warps, num_stages=1 if interpreting() else INT8_STAGES,
         )
 
 

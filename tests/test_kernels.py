@@ -208,35 +208,46 @@ def int8_stage_bound(rotated: torch.Tensor, cpu_block: scan.CodeBlock, table: sc
     return cpu_block.scale.abs() * (per_row + largest / 254 * (qfac[:, None] * rotated.abs()).sum(1, keepdim=True))
 
 
-@pytest.mark.parametrize("bits,mode,dim", [(4, "mse", 40), (3.5, "mse", 64), (5, "mse", 24), (1, "mse", 40)])
-def test_int8_stage_one(monkeypatch: pytest.MonkeyPatch, bits: float, mode: str, dim: int) -> None:
+@pytest.mark.parametrize("bits,mode,dim,group", [(4, "mse", 40, 32), (3.5, "mse", 64, 16), (5, "mse", 24, 16),
+                                                 (1, "mse", 40, 32)])
+def test_int8_stage_one(monkeypatch: pytest.MonkeyPatch, bits: float, mode: str, dim: int, group: int) -> None:
     """Large batches' stage 1 on int8 tensor cores: rows decoded in chunks (several, the last ragged), group maxima
-    within the rounding bound of both operands, and the search's answer equal to the reference."""
+    (one or two groups per 32-row tile) within the rounding bound of both operands, and the search's answer equal
+    to the reference."""
     monkeypatch.setattr(ops, "INT8_CHUNK_BYTES", 3 * 32 * 64)
     tq, cpu_block, dev_block, rotated, _ = make_case(bits, mode, dim, n=300, nq=20, bias=True)
     table = tq.table("cpu")
-    config = ops.TileConfig(16, 32, 32, int8=True)
+    config = ops.TileConfig(16, group, 32, int8=True)
     group_max = ops.group_maxima(dev(rotated), None, dev_block, tq.table(KERNEL_DEVICE), config).cpu()
     ref = scan.scores(rotated, cpu_block, table)
     qfac = 127 / rotated.abs().amax(1, keepdim=True)
-    n_tiles = group_max.shape[1]
-    pad = (0, n_tiles * 32 - ref.shape[1])
-    expected = torch.nn.functional.pad(ref * qfac, pad, value=float("-inf")).view(20, n_tiles, 32).amax(2)
-    bound = torch.nn.functional.pad(int8_stage_bound(rotated, cpu_block, table), pad).view(20, n_tiles, 32).amax(2)
+    n_groups = group_max.shape[1]
+    pad = (0, n_groups * group - ref.shape[1])
+    expected = torch.nn.functional.pad(ref * qfac, pad, value=float("-inf")).view(20, n_groups, group).amax(2)
+    bound = torch.nn.functional.pad(int8_stage_bound(rotated, cpu_block, table), pad).view(20, n_groups, group).amax(2)
     assert bool(((group_max - expected).abs() <= bound + RTOL * expected.abs().max()).all())
     got = ops.search(dev(rotated), dev_block, tq.table(KERNEL_DEVICE), 7, config=config)
     assert_topk_equal(got, scan.search(rotated, cpu_block, table, 7), ref)
 
 
-def test_int8_config_and_signs_fallback() -> None:
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_int8_config_and_signs_fallback(monkeypatch: pytest.MonkeyPatch, on_gpu: bool) -> None:
     """Batches of INT8_MIN_QUERIES (INT8_MIN_QUERIES_NARROW on narrow rows) pick the int8 stage, exact scores never;
-    codes with QJL signs keep the float16 tiles under an int8 configuration."""
+    the GPU's int8 configurations take groups of INT8_GROUP_ROWS rows on wide rows, 128 on narrow ones and on float16
+    tiles; codes with QJL signs keep the float16 tiles under an int8 configuration."""
+    if on_gpu:  # the configurations a GPU gets (the interpreter's are small)
+        monkeypatch.setattr(ops, "interpreting", lambda: False)
     wide, narrow = TurboQuantizer(ops.INT8_NARROW_DIM + 8, 4, seed=0), TurboQuantizer(ops.INT8_NARROW_DIM, 4, seed=0)
     assert ops.tile_config(ops.INT8_MIN_QUERIES, wide.layout).int8
     assert not ops.tile_config(ops.INT8_MIN_QUERIES - 1, wide.layout).int8
     assert not ops.tile_config(ops.INT8_MIN_QUERIES_NARROW - 1, narrow.layout).int8
     assert ops.tile_config(ops.INT8_MIN_QUERIES_NARROW, narrow.layout).int8
     assert not ops.tile_config(ops.INT8_MIN_QUERIES_NARROW, narrow.layout, exact=True).int8
+    if on_gpu:
+        assert ops.tile_config(ops.INT8_MIN_QUERIES, wide.layout).block_n == ops.INT8_GROUP_ROWS
+        assert ops.tile_config(ops.INT8_MIN_QUERIES - 1, wide.layout).block_n == 128
+        assert ops.tile_config(ops.INT8_MIN_QUERIES_NARROW, narrow.layout).block_n == 128
+        return
     tq, cpu_block, dev_block, rotated, projected = make_case(3.5, "prod", 40, n=101, nq=20, bias=True)
     ref = scan.scores(rotated, cpu_block, tq.table("cpu"), projected)
     got = ops.search(dev(rotated), dev_block, tq.table(KERNEL_DEVICE), 6, dev(projected),
