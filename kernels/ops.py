@@ -80,7 +80,7 @@ INT8_NARROW_DIM = 192
 #: decoded int8 rows held at once by the int8 stage 1 (bytes; rows are decoded and scanned chunk by chunk)
 INT8_CHUNK_BYTES = 1 << 27
 #: rows per group of the int8 stage's maxima above :data:`INT8_NARROW_DIM` channels (128 at or below it): H200, 1M rows,
-#: 4 bits, 10,000 queries, whole searches 1.16x / 1.13x faster than with 128 at d = 1536 / 768 (half the rows to
+#: 4 bits, 10,000 queries, whole searches 1.19x / 1.13x faster than with 128 at d = 1536 / 768 (half the rows to
 #: refine), 0.96x at d = 128 (bench/results/gpu_scan_runs/0a5915a-int8-groups)
 INT8_GROUP_ROWS = 64
 #: rows per int8 tile (at least the configuration's group of ``block_n`` rows, a multiple of it; 256 measured 3x
