@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import Cache, DynamicCache, QuantizedCache
 
-from tqvec.kv import TurboQuantCache
+from tqvec.kv import TurboQuantCache, TurboQuantLayer
 from tqvec.kv import evaluate as ev
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -65,7 +65,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 def _configs(args: argparse.Namespace, model) -> dict[str, tuple[Callable[[], Cache], float]]:
     """name → (cache factory, stored bytes per compressed token over the full-attention layers, K + V)."""
     cfg = model.config
-    layers, heads, dim = full_attention_layers(cfg), cfg.num_key_value_heads, cfg.head_dim
+    # the layers TurboQuantCache compresses (full attention; sliding-window layers hold a bounded window in every cache)
+    layers = sum(isinstance(layer, TurboQuantLayer) for layer in TurboQuantCache(cfg).layers)
+    heads, dim = cfg.num_key_value_heads, cfg.head_dim
     out: dict[str, tuple[Callable[[], Cache], float]] = {
         "full (fp16 equiv.)": (lambda: DynamicCache(config=cfg), layers * heads * dim * 2 * 2)}
     for mode in args.key_modes:
@@ -79,13 +81,6 @@ def _configs(args: argparse.Namespace, model) -> dict[str, tuple[Callable[[], Ca
         out[f"QuantizedCache quanto {bits}b"] = (
             lambda b=bits: QuantizedCache("quanto", cfg, nbits=b, residual_length=args.window), float("nan"))
     return out
-
-
-def full_attention_layers(cfg) -> int:
-    """Layers of ``cfg`` that attend over the whole context (the ones TurboQuantCache compresses; sliding-window
-    layers hold a bounded window in every cache)."""
-    kinds = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
-    return sum(kind == "full_attention" for kind in kinds)
 
 
 def _quanto_bytes_per_token(cache: Cache) -> float:
