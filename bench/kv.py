@@ -58,7 +58,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--render", type=Path, default=None, metavar="KV_JSON",
-                   help="measure nothing: rewrite kv.md (beside KV_JSON) from a saved kv.json")
+                   help="measure nothing: rewrite the Markdown beside KV_JSON (same name, .md) from a saved kv.json")
     return p.parse_args(argv)
 
 
@@ -249,9 +249,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.render is not None:
         saved = json.loads(args.render.read_text())
         run_args = _args(shlex.split(saved["command"])[3:])
-        (args.render.parent / "kv.md").write_text(
+        args.render.with_suffix(".md").write_text(
             _markdown(run_args, saved["quality"], saved["passkey"], saved["command"], saved["seconds"],
-                      f" This file: rendered from kv.json by `tqvec bench kv --render {args.render}`."))
+                      f" This file: rendered from {args.render.name} by `tqvec bench kv --render {args.render}`."))
         return
     if args.threads:
         torch.set_num_threads(args.threads)
