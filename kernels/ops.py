@@ -56,6 +56,7 @@ from .graphs import GraphCache, capture_graph
 from .int8_stage import decode_kernel, group_max_kernel
 from .launch import cdiv, pow2
 from .scan_kernel import half_queries_kernel, matvec_kernel, refine_kernel, tile_kernel
+from .unpack import nibble_pair_asm
 
 __all__ = ["SearchSettings", "capture_graph", "clear_graphs", "configured", "encode", "scores", "search", "settings"]
 
@@ -64,9 +65,11 @@ GROUP_MARGIN = 8
 #: stage-1 group maxima held at once (floats); larger query batches are split
 MAX_GROUP_SCORES = 1 << 28
 #: single-query searches over 4-bit segments of at most this many channels run stage 1 on CUDA cores
-#: (:func:`~.scan_kernel.matvec_kernel`): faster than the tensor-core tile kernel at d = 128 to 768, even at
-#: d = 1536; the tile kernel was faster at nq = 4 and at 2 bits (H200, bench/results/gpu_scan_runs)
+#: (:func:`~.scan_kernel.matvec_kernel`): faster than the tensor-core tile kernel at d = 128 to 768 with gathered
+#: levels, and to 1536 with levels decoded by byte permutes (:attr:`SearchSettings.matvec_permutes`: 1.6-1.8x the
+#: tile kernel at d = 1536); the tile kernel was faster at nq = 4 and at 2 bits (H200, bench/results/gpu_scan_runs)
 MATVEC_MAX_DIM = 768
+MATVEC_PERMUTES_MAX_DIM = 1536
 #: rows per program of :func:`~.scan_kernel.refine_kernel` (chosen groups are refined in such slices)
 REFINE_ROWS = 128
 #: query batches of at least this many run stage 1 on int8 tensor cores (:mod:`.int8_stage`: rows decoded once per
@@ -141,12 +144,16 @@ class SearchSettings:
         bench/results/gpu_topk.md).
     graph_cache_size : int
         Captured graphs kept (least recently used dropped).
+    matvec_permutes : bool
+        A single query's stage 1 over one 4-bit segment with a symmetric codebook decodes its levels by PTX byte
+        permutes, as float16 (:func:`~.unpack.nibble_pair_asm`); off: float32 levels gathered from the table.
     """
 
     cuda_graphs: bool = True
     triton_topk: bool = True
     triton_topk_max_queries: int = 1000
     graph_cache_size: int = 8
+    matvec_permutes: bool = True
 
 
 _SETTINGS: ContextVar[SearchSettings] = ContextVar("tqvec_search_settings", default=SearchSettings())  # noqa: B039 - frozen
@@ -220,9 +227,12 @@ def tile_config(nq: int, layout: Layout, exact: bool = False, n: int = 0) -> Til
     """
     widest = max(d for d, _ in layout.segments)
     four_bit = {b for d, b in layout.segments if d and b} == {4}
-    if not exact and nq == 1 and four_bit and widest <= MATVEC_MAX_DIM:
+    permutes = settings().matvec_permutes and len(layout.segments) == 1
+    if not exact and nq == 1 and four_bit and widest <= (MATVEC_PERMUTES_MAX_DIM if permutes else MATVEC_MAX_DIM):
         if interpreting():
             return TileConfig(1, 16, 8, tiles=2, matvec=True)
+        if permutes:  # 4 KiB of codes per step (16 bytes per thread measured 1.3-2x slower), H200 1M and 10M rows
+            return TileConfig(1, 64, 64, tiles=64 if n > 1 << 21 else 16, matvec=True)
         return TileConfig(1, 32, 64, tiles=128 if n > 1 << 21 else 32, matvec=True)
     int8 = not exact and nq >= (INT8_MIN_QUERIES_NARROW if layout.dim <= INT8_NARROW_DIM else INT8_MIN_QUERIES)
     if interpreting():
@@ -377,6 +387,17 @@ def _refine(
     return out, ids
 
 
+def _matvec_asm(table: CodeTable) -> str:
+    """:func:`~.unpack.nibble_pair_asm` of ``table``'s levels for :func:`~.scan_kernel.matvec_kernel` (cached on the
+    table): ``""`` unless the layout is one 4-bit segment with a symmetric codebook and the kernels are compiled
+    (not interpreted) with :attr:`SearchSettings.matvec_permutes` on."""
+    key = "tqvec.kernels.matvec_asm"
+    if key not in table._luts:
+        segments = table.layout.segments
+        table._luts[key] = nibble_pair_asm(table.levels[0]) if len(segments) == 1 and segments[0][1] == 4 else ""
+    return table._luts[key] if settings().matvec_permutes and not interpreting() else ""
+
+
 def _launch_matvec(
     q: torch.Tensor, p: torch.Tensor | None, block: CodeBlock, table: CodeTable, out: torch.Tensor, cfg: TileConfig,
 ) -> None:
@@ -386,7 +407,7 @@ def _launch_matvec(
         q, pp, **_operands(block, p), levels_ptr=table.levels, out_ptr=out, n=len(block), stride_q=q.stride(0),
         stride_p=pp.stride(0), **_row_strides(block), stride_out=out.stride(0), **segment_args(table.layout),
         **_flags(block, p), BLOCK_N=cfg.block_n, BLOCK_B=_pow2_clamp(max(table.layout.segment_bytes), 1, cfg.block_d),
-        TILES=cfg.tiles, num_warps=cfg.num_warps,
+        TILES=cfg.tiles, ASM=_matvec_asm(table), num_warps=cfg.num_warps,
     )
 
 

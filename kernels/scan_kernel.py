@@ -7,8 +7,8 @@ Score of query ``q`` (QJL projection ``p``) against row ``i`` (see :mod:`tqvec.s
 * :func:`tile_kernel` scores a tile of queries against a tile of rows with ``tl.dot`` and either
   writes the scores or, for search, only each query's maximum over the tile (one float per
   query and group of ``BLOCK_N`` rows).
-* :func:`matvec_kernel` is the search's first stage for a single query: exact float32 on CUDA cores,
-  writing the same per-tile maxima.
+* :func:`matvec_kernel` is the search's first stage for a single query: float32 products on CUDA cores (levels
+  exact, or decoded as float16 by byte permutes for a single 4-bit segment), writing the same per-tile maxima.
 * :func:`refine_kernel` rescores, in exact float32, the rows of the groups chosen per query (and may keep
   only each group's best few, as :mod:`.topk` keys).
 * :func:`half_queries_kernel` scales and casts the queries for the float16 first stage.
@@ -191,22 +191,23 @@ def _row_scores(
     S0_BYTE: tl.constexpr, S0_ROW: tl.constexpr,
     S1_CH: tl.constexpr, S1_DIM: tl.constexpr, S1_BITS: tl.constexpr, S1_NBYTES: tl.constexpr,
     S1_BYTE: tl.constexpr, S1_ROW: tl.constexpr,
-    P_DIM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    P_DIM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr,
 ):
-    """Exact float32 scores ``(BLOCK_N,)`` of one query (``q_ptrs``, QJL projection ``p_ptrs``) against ``rows``."""
+    """Float32 scores ``(BLOCK_N,)`` of one query (``q_ptrs``, QJL projection ``p_ptrs``) against ``rows``: exact, or with
+    ``ASM`` (a single 4-bit segment, :func:`~.unpack.nibble_pair_asm`) from float16 levels."""
     row_ptrs = packed_ptr + rows.to(tl.int64) * stride_packed
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if S0_DIM > 0:
         acc = segment_matvec(acc, q_ptrs + S0_CH, row_ptrs, row_mask, S0_BYTE, levels_ptr + S0_ROW * 256,
-                             S0_DIM, S0_BITS, S0_NBYTES, False, BLOCK_N, BLOCK_B)
+                             S0_DIM, S0_BITS, S0_NBYTES, False, BLOCK_N, BLOCK_B, ASM)
     if S1_DIM > 0:
         acc = segment_matvec(acc, q_ptrs + S1_CH, row_ptrs, row_mask, S1_BYTE, levels_ptr + S1_ROW * 256,
-                             S1_DIM, S1_BITS, S1_NBYTES, False, BLOCK_N, BLOCK_B)
+                             S1_DIM, S1_BITS, S1_NBYTES, False, BLOCK_N, BLOCK_B, "")
     acc = acc * tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
     if P_DIM > 0:
         sign_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         sign_acc = segment_matvec(sign_acc, p_ptrs, signs_ptr + rows.to(tl.int64) * stride_signs, row_mask, 0,
-                                  levels_ptr, P_DIM, 1, (P_DIM + 7) // 8, True, BLOCK_N, BLOCK_B)
+                                  levels_ptr, P_DIM, 1, (P_DIM + 7) // 8, True, BLOCK_N, BLOCK_B, "")
         acc += sign_acc * tl.load(sign_scale_ptr + rows, mask=row_mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0)
@@ -222,9 +223,11 @@ def matvec_kernel(
     S1_CH: tl.constexpr, S1_DIM: tl.constexpr, S1_BITS: tl.constexpr, S1_NBYTES: tl.constexpr,
     S1_BYTE: tl.constexpr, S1_ROW: tl.constexpr,
     P_DIM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, TILES: tl.constexpr,
+    ASM: tl.constexpr,
 ):
-    """Search stage 1 for one (or a few) queries, on CUDA cores in exact float32: ``out[query, t]`` = the best score of
-    row tile ``t`` (rows ``t · BLOCK_N`` … ``(t + 1) · BLOCK_N``), for ``TILES`` consecutive tiles.
+    """Search stage 1 for one (or a few) queries, on CUDA cores in float32: ``out[query, t]`` = the best score of
+    row tile ``t`` (rows ``t · BLOCK_N`` … ``(t + 1) · BLOCK_N``), for ``TILES`` consecutive tiles; with ``ASM`` (one
+    4-bit segment, :func:`~.unpack.nibble_pair_asm`) the levels are decoded as float16 by byte permutes.
 
     Program ``(query, j)``; the query axis runs fastest, so the queries of a tile share its codes in L2.
     """
@@ -237,7 +240,7 @@ def matvec_kernel(
         acc = _row_scores(q_ptrs, p_ptrs, rows, rows < n, packed_ptr, scale_ptr, bias_ptr, signs_ptr, sign_scale_ptr,
                           levels_ptr, stride_packed, stride_signs,
                           S0_CH, S0_DIM, S0_BITS, S0_NBYTES, S0_BYTE, S0_ROW, S1_CH, S1_DIM, S1_BITS, S1_NBYTES,
-                          S1_BYTE, S1_ROW, P_DIM, HAS_BIAS, BLOCK_N, BLOCK_B)
+                          S1_BYTE, S1_ROW, P_DIM, HAS_BIAS, BLOCK_N, BLOCK_B, ASM)
         if tile * BLOCK_N < n:
             tl.store(out_ptr + query.to(tl.int64) * stride_out + tile, tl.max(acc, axis=0))
 
@@ -269,7 +272,7 @@ def refine_kernel(
     acc = _row_scores(q_ptr + query.to(tl.int64) * stride_q, p_ptr + query.to(tl.int64) * stride_p, rows, row_mask,
                       packed_ptr, scale_ptr, bias_ptr, signs_ptr, sign_scale_ptr, levels_ptr, stride_packed, stride_signs,
                       S0_CH, S0_DIM, S0_BITS, S0_NBYTES, S0_BYTE, S0_ROW, S1_CH, S1_DIM, S1_BITS, S1_NBYTES,
-                      S1_BYTE, S1_ROW, P_DIM, HAS_BIAS, BLOCK_N, BLOCK_B)
+                      S1_BYTE, S1_ROW, P_DIM, HAS_BIAS, BLOCK_N, BLOCK_B, "")
     if LOCAL_K > 0:
         tl.store(out_ptr + slot * LOCAL_K + tl.arange(0, LOCAL_K), best_keys(acc, rows, row_mask, LOCAL_K, BITONIC))
     else:

@@ -129,6 +129,7 @@ def segment_matvec(
     SIGNS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """``acc`` ``(BLOCK_N,)`` + ⟨query, decoded segment of each row⟩ in float32 on CUDA cores.
 
@@ -136,8 +137,22 @@ def segment_matvec(
     bytes per step, whose ``8 // BITS`` codes each meet the matching strided query channels, with no
     reshapes (reading int32 words instead measured 2× slower on the H200); other widths decode
     ``BLOCK_B`` channels per step with :func:`segment_values`. Channels past ``DIM`` meet query 0.
+
+    ``ASM`` (4-bit codes only, :func:`nibble_pair_asm` of the segment's levels): levels decoded by byte permutes as
+    float16 (rounded to 11 significant bits) instead of gathered as float32, products and sums in float32.
     """
-    if BITS == 1 or BITS == 2 or BITS == 4 or BITS == 8:
+    if BITS == 4 and ASM != "":
+        part = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
+        for b0 in range(0, NBYTES, BLOCK_B):
+            byte = b0 + tl.arange(0, BLOCK_B)
+            raw = tl.load(row_ptrs[:, None] + (byte0 + byte)[None, :], mask=row_mask[:, None] & (byte < NBYTES)[None, :],
+                          other=0)
+            low, high = nibble_pairs(raw, levels_ptr, ASM)
+            q_even = tl.load(q_ptrs + 2 * byte, mask=2 * byte < DIM, other=0.0)
+            q_odd = tl.load(q_ptrs + 2 * byte + 1, mask=2 * byte + 1 < DIM, other=0.0)
+            part += low.to(tl.float32) * q_even[None, :] + high.to(tl.float32) * q_odd[None, :]
+        acc += tl.sum(part, axis=1)
+    elif BITS == 1 or BITS == 2 or BITS == 4 or BITS == 8:
         PER: tl.constexpr = 8 // BITS
         for b0 in range(0, NBYTES, BLOCK_B):
             byte = b0 + tl.arange(0, BLOCK_B)

@@ -17,6 +17,7 @@ from kernel_env import KERNEL_DEVICE, needs_kernels
 
 from tqvec import TurboQuantizer, scan
 from tqvec.kernels import ops
+from tqvec.kernels.unpack import nibble_pair_asm
 from tqvec.packing import unpack
 
 pytestmark = [pytest.mark.usefixtures("single_torch_thread"), pytest.mark.gpu, needs_kernels]
@@ -148,6 +149,19 @@ def test_matvec_search(bits: float, mode: str, dim: int) -> None:
     config = ops.TileConfig(1, 16, 8, tiles=3, matvec=True)
     got = ops.search(dev(rotated), dev_block, tq.table(KERNEL_DEVICE), 7, dev(projected), config=config)
     assert_topk_equal(got, scan.search(rotated, cpu_block, tq.table("cpu"), 7, projected), ref)
+
+
+@pytest.mark.parametrize("dim", [128, 384, 1536])
+def test_single_queries_decode_by_byte_permutes(dim: int) -> None:
+    """On CUDA a single 4-bit query's stage 1 takes the byte-permute decoder (the search codebooks are symmetric, which
+    it needs: its arithmetic is checked in test_kv_decode_attention), up to MATVEC_PERMUTES_MAX_DIM channels; with the
+    setting off, gathered levels up to MATVEC_MAX_DIM."""
+    tq = TurboQuantizer(dim, 4, seed=0)
+    assert nibble_pair_asm(tq.table("cpu").levels[0])
+    assert ops.tile_config(1, tq.layout).matvec
+    with ops.configured(matvec_permutes=False):
+        assert ops.tile_config(1, tq.layout).matvec == (dim <= ops.MATVEC_MAX_DIM)
+    assert not ops.tile_config(1, TurboQuantizer(dim, 3.5, seed=0).layout).matvec
 
 
 def test_search_in_query_chunks(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -42,7 +42,7 @@ class CodeTable:
 
     layout: Layout
     levels: torch.Tensor
-    _luts: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    _luts: dict[int | str, torch.Tensor | str] = field(default_factory=dict, compare=False, repr=False)  # derived tables, by name
     _plan: list[_fastscan.Plan] = field(default_factory=list, compare=False, repr=False)
 
     def to(self, device: torch.device | str) -> "CodeTable":
