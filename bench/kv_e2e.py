@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shlex
 import sys
 import time
@@ -526,6 +527,20 @@ def _search_rows(section: dict, unit: str, scale: float) -> list[str]:
     return rows
 
 
+def part_environment() -> dict[str, str]:
+    """What a part's figures depend on beyond the header's device and model, recorded with the part (a report keeps
+    parts of earlier runs): the transformers version and the CUDA allocator's configuration."""
+    return {"transformers": transformers.__version__, "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+
+
+def _command_line(s: dict) -> str:
+    """A part's command, settings and (when recorded) environment, for the report."""
+    env = s.get("environment")
+    ran = "" if env is None else f"; transformers {env['transformers']}" + (
+        f", `PYTORCH_CUDA_ALLOC_CONF={env['PYTORCH_CUDA_ALLOC_CONF']}`" if env["PYTORCH_CUDA_ALLOC_CONF"] else "")
+    return f"`{s['command']}` — {s['settings_text']}{ran}"
+
+
 def markdown(data: dict) -> str:
     """The report's tables (one per part present), with the targets, verdicts and each part's command."""
     m = data["model"]
@@ -540,7 +555,7 @@ def markdown(data: dict) -> str:
     parts = data["parts"]
     if "peak" in parts:
         s = parts["peak"]
-        out += ["## Peak memory of a whole generate(), batch 1", "", f"`{s['command']}` — {s['settings_text']}", "",
+        out += ["## Peak memory of a whole generate(), batch 1", "", _command_line(s), "",
                 f"Target: TurboQuantCache peak ≤ DynamicCache peak − {PEAK_SAVING:g} × DynamicCache's 16-bit K/V bytes "
                 "(held).", "",
                 "| context | DynamicCache peak GiB | its K/V GiB analytic / held | target GiB | TurboQuantCache peak GiB | "
@@ -556,7 +571,7 @@ def markdown(data: dict) -> str:
         out.append("")
     if "decode" in parts:
         s = parts["decode"]
-        out += ["## Eager decode tokens/s, batch 1", "", f"`{s['command']}` — {s['settings_text']}", "",
+        out += ["## Eager decode tokens/s, batch 1", "", _command_line(s), "",
                 f"`bench.kv_step.decode_ms`: one-shot prefill, {E2E_WARMUP} untimed steps, then the timed ones. Targets: "
                 + ", ".join(f"≥ {v:g}× at {k}" for k, v in DECODE_TARGETS.items())
                 + " (TurboQuantCache / the faster DynamicCache).", "",
@@ -575,7 +590,7 @@ def markdown(data: dict) -> str:
         if name not in parts:
             continue
         s = parts[name]
-        out += [f"## {title}", "", f"`{s['command']}` — {s['settings_text']}", ""]
+        out += [f"## {title}", "", _command_line(s), ""]
         if "skipped" in s:
             out += [f"Skipped: {s['skipped']}.", ""]
             continue
@@ -615,7 +630,7 @@ class Report:
         """A new section for part ``name`` (replacing an earlier one), with an empty ``rows`` (peak, decode) or
         ``searches`` list (budget, batch)."""
         text = ", ".join(f"{k} {v}" for k, v in settings.items())
-        section = {"command": command, "settings": settings, "settings_text": text,
+        section = {"command": command, "settings": settings, "settings_text": text, "environment": part_environment(),
                    "rows" if name in ("peak", "decode") else "searches": []}
         self.data["parts"][name] = section
         return section

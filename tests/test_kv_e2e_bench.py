@@ -24,6 +24,7 @@ def test_tiny_cpu_run_writes_reports_and_keeps_parts(tmp_path: Path) -> None:
     assert data["model"]["layers"] == 2 and data["model"]["weights_bytes"] > 0
     parts = data["parts"]
     assert set(parts) == set(kv_e2e.PARTS)
+    assert all(p["environment"] == kv_e2e.part_environment() for p in parts.values())  # kept with parts of later runs
     peak = parts["peak"]
     assert [r["cache"] for r in peak["rows"]] == ["DynamicCache + sdpa", "TurboQuantCache 4b + tqvec"]
     assert all(r["ok"] and r["peak_bytes"] is None and r["decode_tokens_per_s"] > 0 for r in peak["rows"])
