@@ -284,6 +284,7 @@ def check() -> bool:
              (4, "mse", 128, 5003, 64), (4, "prod", 128, 5003, 130), (8, "mse", 1536, 3001, 200),
              (4, "mse", 12, 3001, 20), (2, "mse", 16, 3001, 3),  # below MIN_BLOCK_D channels
              (4, "mse", 384, 5003, 1), (4, "mse", 768, 5003, 100), (4, "mse", 1024, 5003, 1), (4, "mse", 1536, 5003, 100),
+             (4, "mse", 768, 5003, 7), (4, "mse", 1536, 20001, 16),  # 4-bit levels by byte permutes, 2-16 queries
              # the int8 stage 1 (ops.INT8_MIN_QUERIES): two segments, bias, a ragged 128 MiB chunk at d = 1536
              (4, "mse", 384, 20001, 401), (2.5, "mse", 768, 5003, 300), (3.5, "mse", 128, 5003, 1201),
              (4, "mse", 1536, 100003, 257), (3.5, "prod", 384, 5003, 400)]

@@ -147,6 +147,10 @@ class SearchSettings:
     matvec_permutes : bool
         A single query's stage 1 over one 4-bit segment with a symmetric codebook decodes its levels by PTX byte
         permutes, as float16 (:func:`~.unpack.nibble_pair_asm`); off: float32 levels gathered from the table.
+    tile_permutes : bool
+        The same for the float16 tile kernel's stage 1 over 2-16 queries (rows as the MMA's M side); off: levels from
+        the pair table. (With 128-query tiles the two half-width products measured 3.4-4x slower on the H200: not
+        used there.)
     """
 
     cuda_graphs: bool = True
@@ -154,6 +158,7 @@ class SearchSettings:
     triton_topk_max_queries: int = 1000
     graph_cache_size: int = 8
     matvec_permutes: bool = True
+    tile_permutes: bool = True
 
 
 _SETTINGS: ContextVar[SearchSettings] = ContextVar("tqvec_search_settings", default=SearchSettings())  # noqa: B039 - frozen
@@ -315,7 +320,9 @@ def _launch_tiles(
         **_row_strides(block), stride_out=out.stride(0), **segment_args(table.layout), **_flags(block, projected),
         GROUP_MAX=group_max, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, TILES=cfg.tiles,
         Q_RESIDENT=resident, PAIR_LUT=half and cfg.pair_lut, DOT_DTYPE=tl.float16 if half else tl.float32,
-        PRECISION="tf32" if half else "tf32x3", ROWS_AS_M=cfg.rows_as_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PRECISION="tf32" if half else "tf32x3", ROWS_AS_M=cfg.rows_as_m,
+        ASM=_permute_asm(table, settings().tile_permutes) if half and cfg.pair_lut and cfg.rows_as_m and not resident else "",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -387,15 +394,15 @@ def _refine(
     return out, ids
 
 
-def _matvec_asm(table: CodeTable) -> str:
-    """:func:`~.unpack.nibble_pair_asm` of ``table``'s levels for :func:`~.scan_kernel.matvec_kernel` (cached on the
-    table): ``""`` unless the layout is one 4-bit segment with a symmetric codebook and the kernels are compiled
-    (not interpreted) with :attr:`SearchSettings.matvec_permutes` on."""
-    key = "tqvec.kernels.matvec_asm"
+def _permute_asm(table: CodeTable, enabled: bool) -> str:
+    """:func:`~.unpack.nibble_pair_asm` of ``table``'s levels for the float16 search stages (cached on the table):
+    ``""`` unless ``enabled`` (a :class:`SearchSettings` switch), the layout is one 4-bit segment with a symmetric
+    codebook and the kernels are compiled (not interpreted)."""
+    key = "tqvec.kernels.permute_asm"
     if key not in table._luts:
         segments = table.layout.segments
         table._luts[key] = nibble_pair_asm(table.levels[0]) if len(segments) == 1 and segments[0][1] == 4 else ""
-    return table._luts[key] if settings().matvec_permutes and not interpreting() else ""
+    return table._luts[key] if enabled and not interpreting() else ""
 
 
 def _launch_matvec(
@@ -407,7 +414,7 @@ def _launch_matvec(
         q, pp, **_operands(block, p), levels_ptr=table.levels, out_ptr=out, n=len(block), stride_q=q.stride(0),
         stride_p=pp.stride(0), **_row_strides(block), stride_out=out.stride(0), **segment_args(table.layout),
         **_flags(block, p), BLOCK_N=cfg.block_n, BLOCK_B=_pow2_clamp(max(table.layout.segment_bytes), 1, cfg.block_d),
-        TILES=cfg.tiles, ASM=_matvec_asm(table), num_warps=cfg.num_warps,
+        TILES=cfg.tiles, ASM=_permute_asm(table, settings().matvec_permutes), num_warps=cfg.num_warps,
     )
 
 

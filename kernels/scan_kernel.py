@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .topk import best_keys
-from .unpack import pair_lut_values, segment_matvec, segment_values
+from .unpack import nibble_pairs, pair_lut_values, segment_matvec, segment_values
 
 
 @triton.jit
@@ -55,9 +55,28 @@ def _segment_dot(
     acc, q_ptr, stride_q, offs_q, q_mask, row_ptrs, row_mask, levels_ptr, lut_ptr,
     CH: tl.constexpr, DIM: tl.constexpr, BITS: tl.constexpr, NBYTES: tl.constexpr, BYTE: tl.constexpr,
     SIGNS: tl.constexpr, PAIR_LUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ROWS_AS_M: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ROWS_AS_M: tl.constexpr, ASM: tl.constexpr,
 ):
-    """``acc`` + queries[:, CH:CH+DIM] · decoded segment, ``BLOCK_D`` channels per step."""
+    """``acc`` + queries[:, CH:CH+DIM] · decoded segment, ``BLOCK_D`` channels per step.
+
+    ``ASM`` (a 4-bit segment, :func:`~.unpack.nibble_pair_asm`): each step's ``BLOCK_D / 2`` bytes are decoded by byte
+    permutes into the float16 levels of their low nibbles (even channels) and high nibbles (odd channels), which meet
+    the even and the odd query channels in two products."""
+    if ASM != "" and BITS == 4 and not SIGNS:
+        HALF: tl.constexpr = BLOCK_D // 2
+        for b0 in range(0, NBYTES, HALF):
+            byte = b0 + tl.arange(0, HALF)
+            raw = tl.load(row_ptrs[:, None] + (BYTE + byte)[None, :], mask=row_mask[:, None] & (byte < NBYTES)[None, :],
+                          other=0)
+            low, high = nibble_pairs(raw, levels_ptr, ASM)
+            even = 2 * byte
+            q_even = tl.load(q_ptr + offs_q[:, None] * stride_q + (CH + even)[None, :],
+                             mask=q_mask[:, None] & (even < DIM)[None, :], other=0.0).to(DOT_DTYPE)
+            q_odd = tl.load(q_ptr + offs_q[:, None] * stride_q + (CH + even + 1)[None, :],
+                            mask=q_mask[:, None] & (even + 1 < DIM)[None, :], other=0.0).to(DOT_DTYPE)
+            acc = _dot(acc, q_even, low.to(DOT_DTYPE), PRECISION, ROWS_AS_M)
+            acc = _dot(acc, q_odd, high.to(DOT_DTYPE), PRECISION, ROWS_AS_M)
+        return acc
     for d0 in range(0, DIM, BLOCK_D):
         channel = d0 + tl.arange(0, BLOCK_D)
         q = tl.load(q_ptr + offs_q[:, None] * stride_q + (CH + channel)[None, :],
@@ -129,14 +148,15 @@ def tile_kernel(
     P_DIM: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_MAX: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
     Q_RESIDENT: tl.constexpr, PAIR_LUT: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ROWS_AS_M: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ROWS_AS_M: tl.constexpr, ASM: tl.constexpr,
 ):
     """``TILES`` consecutive tiles of ``BLOCK_N`` rows against one tile of ``BLOCK_Q`` queries.
 
     The 1-D grid runs query tiles fastest, so concurrent programs share code tiles in L2.
     ``Q_RESIDENT`` (one segment of at most ``BLOCK_D`` channels, no QJL signs): the query tile is
     loaded once and stays in registers across the row tiles. ``PAIR_LUT``: 4-bit float16 levels come
-    from a 256-entry table of level pairs, one load per byte. ``GROUP_MAX``: write each query's best
+    from a 256-entry table of level pairs, one load per byte, or with ``ASM`` (not with ``Q_RESIDENT``) from byte
+    permutes (:func:`_segment_dot`). ``GROUP_MAX``: write each query's best
     score of row tile ``t`` to ``out[q, t]`` (``out`` is ``(nq, cdiv(n, BLOCK_N))``); else
     ``out[q, row]``. ``P_DIM > 0`` adds the QJL sign term.
     """
@@ -165,19 +185,19 @@ def tile_kernel(
                 acc = _segment_dot(acc, q_ptr, stride_q, offs_q, q_mask, row_ptrs, row_mask,
                                    levels_ptr + S0_ROW * 256, lut_ptr + S0_ROW * 256,
                                    S0_CH, S0_DIM, S0_BITS, S0_NBYTES, S0_BYTE, False, PAIR_LUT, BLOCK_N, BLOCK_D,
-                                   DOT_DTYPE, PRECISION, ROWS_AS_M)
+                                   DOT_DTYPE, PRECISION, ROWS_AS_M, ASM)
             if S1_DIM > 0:
                 acc = _segment_dot(acc, q_ptr, stride_q, offs_q, q_mask, row_ptrs, row_mask,
                                    levels_ptr + S1_ROW * 256, lut_ptr + S1_ROW * 256,
                                    S1_CH, S1_DIM, S1_BITS, S1_NBYTES, S1_BYTE, False, PAIR_LUT, BLOCK_N, BLOCK_D,
-                                   DOT_DTYPE, PRECISION, ROWS_AS_M)
+                                   DOT_DTYPE, PRECISION, ROWS_AS_M, "")
         acc = acc * _row_vector(tl.load(scale_ptr + rows, mask=row_mask, other=0.0), ROWS_AS_M)
         if P_DIM > 0:
             sign_acc = tl.zeros(acc.shape, dtype=tl.float32)
             sign_acc = _segment_dot(sign_acc, p_ptr, stride_p, offs_q, q_mask,
                                     signs_ptr + rows.to(tl.int64) * stride_signs, row_mask, levels_ptr, lut_ptr,
                                     0, P_DIM, 1, (P_DIM + 7) // 8, 0, True, False, BLOCK_N, BLOCK_D,
-                                    DOT_DTYPE, PRECISION, ROWS_AS_M)
+                                    DOT_DTYPE, PRECISION, ROWS_AS_M, "")
             acc += sign_acc * _row_vector(tl.load(sign_scale_ptr + rows, mask=row_mask, other=0.0), ROWS_AS_M)
         _finish(acc, out_ptr, bias_ptr, qfac_ptr, offs_q, q_mask, rows, row_mask, tile, stride_out,
                 n, BLOCK_N, HAS_BIAS, GROUP_MAX, ROWS_AS_M)
