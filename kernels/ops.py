@@ -8,8 +8,10 @@ Search runs in two stages and never writes the ``(nq, n)`` score matrix:
 1. :func:`~.scan_kernel.tile_kernel` scores every query against every group of ``block_n`` rows on
    tensor cores (float16 operands, float32 accumulation; each query is first scaled by
    ``1 / max|q|`` so float16 keeps 11 significant bits) and writes only each query's maximum per
-   group: an ``(nq, n / block_n)`` matrix. A single query over narrow 4-bit segments instead goes
-   through :func:`~.scan_kernel.matvec_kernel` (exact float32 on CUDA cores, same output). Large batches
+   group: an ``(nq, n / block_n)`` matrix. A single query over 4-bit segments instead goes through
+   :func:`~.scan_kernel.matvec_kernel` (float32 products on CUDA cores, same output; its levels exact, or float16
+   from byte permutes, :attr:`SearchSettings.matvec_permutes`; so are the 2-16-query tiles' levels with
+   :attr:`SearchSettings.tile_permutes`). Large batches
    (:data:`INT8_MIN_QUERIES`) go through :mod:`.int8_stage` instead: rows decoded once per search to int8
    levels, queries scaled by ``127 / max|q|`` and rounded to int8, int32 products on tensor cores.
 2. :func:`~.topk.row_topk` (Triton, exact up to the order of ties; see :mod:`.topk`) picks the
@@ -20,7 +22,7 @@ Search runs in two stages and never writes the ``(nq, n)`` score matrix:
    :attr:`SearchSettings.triton_topk` off (then every refined score is a candidate).
 
 The groups holding the true top-k always have one of the k largest exact group maxima; the margin
-absorbs the rounding of stage 1 (float16: relative error ≲ 2⁻¹⁰ of Σ|q_c·ŷ_c|; int8: each query coordinate
+absorbs the rounding of stage 1 (float16 queries or levels: relative error ≲ 2⁻¹⁰ of Σ|q_c·ŷ_c|; int8: each query coordinate
 and level within half a step of its 255-step grid), so results equal the
 float32 reference except where more than ``GROUP_MARGIN`` groups sit within that rounding of the
 k-th score (near-ties).
@@ -31,8 +33,8 @@ copy the queries in and replay it, which removes ~0.2 ms of launch overhead per 
 :attr:`SearchSettings.graph_cache_size` graphs are kept (least recently used dropped); :func:`clear_graphs` frees
 them. Concurrent searches from several threads are safe (:class:`~.graphs.GraphCache` serializes replays).
 
-:class:`SearchSettings` (read with :func:`settings`, changed for a block with :func:`configured`) switch graphs
-and the Triton top-k; they live in a context variable, so a change applies to the calling thread only.
+:class:`SearchSettings` (read with :func:`settings`, changed for a block with :func:`configured`) switch graphs,
+the Triton top-k and the byte-permute decoding; they live in a context variable, so a change applies to the calling thread only.
 """
 from __future__ import annotations
 
