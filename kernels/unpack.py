@@ -204,7 +204,7 @@ def _lut(f) -> int:
 def nibble_pair_asm(levels: torch.Tensor) -> str:
     """PTX for ``tl.inline_asm_elementwise(pack=4)`` with two float16 outputs: 4 uint8 bytes in ``$4`` → the levels of
     their low nibbles in ``$0`` (elements 0, 1), ``$1`` (2, 3) and of their high nibbles in ``$2``, ``$3``; ``""`` when
-    not applicable.
+    not applicable (and on ROCm builds of torch, whose GPUs take no PTX).
 
     Needs a symmetric 16-level codebook (``level[c] = −level[15 − c]`` in float16; ``level[8 + j] ≥ 0``). Each code's
     magnitude index ``j`` (``c − 8``, or ``7 − c`` below 8) is formed for all eight nibbles at once, in place; ``prmt``
@@ -212,6 +212,8 @@ def nibble_pair_asm(levels: torch.Tensor) -> str:
     words); codes below 8 get the sign bit in their high bytes, and four byte permutes pair the bytes into float16
     levels: 18 instructions per 8 levels.
     """
+    if torch.version.hip is not None:
+        return ""
     half = levels[:16].to(torch.float16).cpu()
     if half.numel() != 16 or not torch.equal(half, -half.flip(0)) or bool((half[8:] < 0).any()):
         return ""

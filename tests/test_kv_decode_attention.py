@@ -180,3 +180,11 @@ def test_nibble_pair_asm_declines_an_asymmetric_codebook():
     levels = HeadCodec(128, 4).groups[0].quantizer.table("cpu").levels[0].clone()
     levels[3] += 1e-2
     assert unpack.nibble_pair_asm(levels) == ""
+
+
+def test_nibble_pair_asm_declines_rocm(monkeypatch: pytest.MonkeyPatch):
+    """PTX does not run on AMD GPUs: a ROCm build of torch gets the table-gather paths."""
+    levels = HeadCodec(128, 4).groups[0].quantizer.table("cpu").levels[0]
+    assert unpack.nibble_pair_asm(levels)
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    assert unpack.nibble_pair_asm(levels) == ""
