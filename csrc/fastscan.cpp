@@ -856,7 +856,8 @@ __attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Wo
         }
         const __m256 threshold = _mm256_set1_ps(best[j].threshold());
         const __m256 reachable = _mm256_set1_ps(two_stage ? floor[j].threshold() : kNegInf);
-        Refinement r{b, j, s.constant, 0, {}};
+        Refinement r;  // lanes [0, n) are written before they are read: no zeroing of all 32 per block and query
+        r.b = b, r.j = j, r.constant = s.constant, r.n = 0;
         for (int g = 0; g < 4; ++g) {
           int passing = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(value[g], threshold, _CMP_GT_OQ),
                                                          _mm256_cmp_ps(value[g], reachable, _CMP_GE_OQ)));
