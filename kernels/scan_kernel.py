@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .topk import best_keys
-from .unpack import nibble_pairs, pair_lut_values, segment_matvec, segment_values
+from .unpack import nibble_pairs, pair_lut_values, row_bytes, segment_matvec, segment_values
 
 
 @triton.jit
@@ -66,9 +66,7 @@ def _segment_dot(
         HALF: tl.constexpr = BLOCK_D // 2
         for b0 in range(0, NBYTES, HALF):
             byte = b0 + tl.arange(0, HALF)
-            raw = tl.load(row_ptrs[:, None] + (BYTE + byte)[None, :], mask=row_mask[:, None] & (byte < NBYTES)[None, :],
-                          other=0)
-            low, high = nibble_pairs(raw, levels_ptr, ASM)
+            low, high = nibble_pairs(row_bytes(row_ptrs, row_mask, BYTE, byte, NBYTES), levels_ptr, ASM)
             even = 2 * byte
             q_even = tl.load(q_ptr + offs_q[:, None] * stride_q + (CH + even)[None, :],
                              mask=q_mask[:, None] & (even < DIM)[None, :], other=0.0).to(DOT_DTYPE)

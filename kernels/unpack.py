@@ -30,11 +30,17 @@ def _spread_bytes(raw, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.co
 
 
 @triton.jit
-def _load_bytes(row_ptrs, row_mask, byte0, offs, NBYTES: tl.constexpr):
-    """Bytes ``byte0 + offs`` of each row as int32 ``(BLOCK_N, len(offs))``; masked rows and ``offs`` past ``NBYTES``
-    read 0."""
+def row_bytes(row_ptrs, row_mask, byte0, offs, NBYTES: tl.constexpr):
+    """Bytes ``byte0 + offs`` of each row as loaded (uint8) ``(BLOCK_N, len(offs))``; masked rows and ``offs`` past
+    ``NBYTES`` read 0."""
     mask = row_mask[:, None] & (offs < NBYTES)[None, :]
-    return tl.load(row_ptrs[:, None] + (byte0 + offs)[None, :], mask=mask, other=0).to(tl.int32)
+    return tl.load(row_ptrs[:, None] + (byte0 + offs)[None, :], mask=mask, other=0)
+
+
+@triton.jit
+def _load_bytes(row_ptrs, row_mask, byte0, offs, NBYTES: tl.constexpr):
+    """:func:`row_bytes` as int32."""
+    return row_bytes(row_ptrs, row_mask, byte0, offs, NBYTES).to(tl.int32)
 
 
 @triton.jit
@@ -145,9 +151,7 @@ def segment_matvec(
         part = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
         for b0 in range(0, NBYTES, BLOCK_B):
             byte = b0 + tl.arange(0, BLOCK_B)
-            raw = tl.load(row_ptrs[:, None] + (byte0 + byte)[None, :], mask=row_mask[:, None] & (byte < NBYTES)[None, :],
-                          other=0)
-            low, high = nibble_pairs(raw, levels_ptr, ASM)
+            low, high = nibble_pairs(row_bytes(row_ptrs, row_mask, byte0, byte, NBYTES), levels_ptr, ASM)
             q_even = tl.load(q_ptrs + 2 * byte, mask=2 * byte < DIM, other=0.0)
             q_odd = tl.load(q_ptrs + 2 * byte + 1, mask=2 * byte + 1 < DIM, other=0.0)
             part += low.to(tl.float32) * q_even[None, :] + high.to(tl.float32) * q_odd[None, :]
