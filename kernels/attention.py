@@ -94,11 +94,15 @@ def _online_softmax(s, m, l):
 
 
 @triton.jit
-def _exact_run(q, qmu, m, l, acc, k_ptr, v_ptr, valid_ptr, length, pos0,
-               HAS_VALID: tl.constexpr, DH: tl.constexpr, DH_PAD: tl.constexpr, BLOCK_E: tl.constexpr):
+def _exact_run(q, qmu, m, l, acc, k_ptr, v_ptr, valid_ptr, length, pos0, ring_total, ring_first,
+               RING: tl.constexpr, HAS_VALID: tl.constexpr, DH: tl.constexpr, DH_PAD: tl.constexpr,
+               BLOCK_E: tl.constexpr):
     """Online softmax of the queries ``q`` ``(BLOCK_G, DH_PAD)`` over ``length`` exact tokens (row-major ``(length, DH)``
     keys and values; cache positions ``pos0 …``): updated ``(m, l, acc)``. Scores ``q·k − qmu``; products on tensor
-    cores (TF32 on CUDA)."""
+    cores (TF32 on CUDA).
+
+    ``RING``: the ``length`` rows are a ring of the newest positions: row ``e`` holds the position
+    ``p ∈ [ring_total − length, ring_total)`` with ``p ≡ e (mod length)``, attended when ``p ≥ ring_first``."""
     c = tl.arange(0, DH_PAD)
     for e0 in range(0, length, BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
@@ -108,8 +112,12 @@ def _exact_run(q, qmu, m, l, acc, k_ptr, v_ptr, valid_ptr, length, pos0,
         v = tl.load(v_ptr + e[:, None] * DH + c[None, :], mask=mask, other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k)) - qmu[:, None]
         ok = e_mask
+        pos = pos0 + e
+        if RING:
+            pos = ring_total - length + (e + length - ring_total % length) % length
+            ok = ok & (pos >= ring_first)
         if HAS_VALID:
-            ok = ok & (tl.load(valid_ptr + pos0 + e, mask=e_mask, other=0) != 0)
+            ok = ok & (tl.load(valid_ptr + pos, mask=ok, other=0) != 0)
         p, alpha, m, l = _online_softmax(tl.where(ok[None, :], s, float("-inf")), m, l)
         acc = acc * alpha[:, None] + tl.dot(p, v)
     return m, l, acc
@@ -121,7 +129,7 @@ def _exact_run(q, qmu, m, l, acc, k_ptr, v_ptr, valid_ptr, length, pos0,
 def split_kernel(
     q_ptr, rot_ptr, back_ptr, k_mean_ptr, v_mean_ptr,
     kp_ptr, ks_ptr, vp_ptr, vs_ptr, k_levels_ptr, v_levels_ptr,
-    sk_ptr, sv_ptr, wk_ptr, wv_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr,
+    sk_ptr, sv_ptr, wk_ptr, wv_ptr, valid_ptr, ring_ptr, m_ptr, l_ptr, acc_ptr,
     factor, n, tokens_per_split, n_heads, n_splits, n_sinks, n_window, kp_cap, ks_cap, vp_cap, vs_cap, stride_valid_b,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, DH: tl.constexpr, DH_PAD: tl.constexpr,
     K_ROW_BYTES: tl.constexpr, V_ROW_BYTES: tl.constexpr,
@@ -133,14 +141,18 @@ def split_kernel(
     V0_ROW: tl.constexpr, V0_PAD: tl.constexpr,
     V1_CH: tl.constexpr, V1_DIM: tl.constexpr, V1_BITS: tl.constexpr, V1_NBYTES: tl.constexpr, V1_BYTE: tl.constexpr,
     V1_ROW: tl.constexpr, V1_PAD: tl.constexpr, V_NIBBLES: tl.constexpr, V_ASM: tl.constexpr,
-    HAS_VALID: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+    HAS_VALID: tl.constexpr, RING: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """Program ``(bh, split)``: the partial ``m``, ``l`` ``(G,)`` and accumulator ``(G, DH)`` of coded tokens
     ``[split·tokens_per_split, …)`` of head ``bh`` (``split < n_splits``; ``-inf`` / 0 / 0 when empty) or of its
     exact tokens (``split == n_splits``). ``rot`` ``(DH, D)`` and ``back`` ``(D, DH)`` float16, channels in kernel order.
     Row-major operands: queries ``(b·h, G, DH)``; key codes ``(b·h, kp_cap, K_ROW_BYTES)`` uint8 and scales ``(b·h,
     ks_cap)`` (values likewise); sinks ``(b·h, n_sinks, DH)``, window ``(b·h, n_window, DH)``; ``valid`` rows
-    ``stride_valid_b`` apart."""
+    ``stride_valid_b`` apart.
+
+    ``RING`` (a static cache): ``ring`` holds int64 ``[total, codes_end]`` (cache positions), read here so one compiled
+    launch serves every step: ``n`` becomes ``codes_end − n_sinks``, the sinks hold ``min(total, n_sinks)`` tokens and
+    the window is a ring (:func:`_exact_run`)."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // n_heads
@@ -151,6 +163,12 @@ def split_kernel(
     m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_G,), tl.float32)
     valid_row = valid_ptr + b.to(tl.int64) * stride_valid_b
+    total = 0
+    codes_end = 0
+    if RING:
+        total = tl.load(ring_ptr)
+        codes_end = tl.load(ring_ptr + 1)
+        n = codes_end - n_sinks
     if split < n_splits:
         q16 = q.to(tl.float16)
         q0 = tl.dot(q16, _matrix(rot_ptr, 0, K0_CH, DH, K0_DIM, D, DH_PAD, K0_PAD)).to(tl.float16)
@@ -197,10 +215,14 @@ def split_kernel(
     else:
         qmu = tl.sum(q * tl.load(k_mean_ptr + bh64 * DH + c, mask=c < DH, other=0.0)[None, :], axis=1)
         acc = tl.zeros((BLOCK_G, DH_PAD), tl.float32)
+        sink_length = n_sinks
+        if RING:
+            sink_length = tl.minimum(total, n_sinks)
         m, l, acc = _exact_run(q, qmu, m, l, acc, sk_ptr + bh64 * n_sinks * DH, sv_ptr + bh64 * n_sinks * DH,
-                               valid_row, n_sinks, 0, HAS_VALID, DH, DH_PAD, BLOCK_E)
+                               valid_row, sink_length, 0, 0, 0, False, HAS_VALID, DH, DH_PAD, BLOCK_E)
         m, l, acc = _exact_run(q, qmu, m, l, acc, wk_ptr + bh64 * n_window * DH, wv_ptr + bh64 * n_window * DH,
-                               valid_row, n_window, n_sinks + n, HAS_VALID, DH, DH_PAD, BLOCK_E)
+                               valid_row, n_window, n_sinks + n, total, codes_end, RING, HAS_VALID, DH, DH_PAD,
+                               BLOCK_E)
     slot = (bh64 * (n_splits + 1) + split) * G
     tl.store(m_ptr + slot + g, m, mask=g < G)
     tl.store(l_ptr + slot + g, l, mask=g < G)
@@ -318,7 +340,7 @@ def _n_splits(device: torch.device, heads: int, n: int, interpret: bool) -> int:
     return max(1, min(PROGRAMS_PER_SM * _SM_COUNT[index] // heads - 1, cdiv(n, BLOCK_N), MAX_SPLITS))
 
 
-def _split_constexprs(keys: CodeTable, values: CodeTable, G: int, dh: int, has_valid: bool,
+def _split_constexprs(keys: CodeTable, values: CodeTable, G: int, dh: int, has_valid: bool, ring: bool,
                       interpret: bool) -> dict[str, object]:
     """:func:`split_kernel`'s compile-time arguments and launch options (cached per tables, shapes and the module's
     tuning constants)."""
@@ -328,11 +350,11 @@ def _split_constexprs(keys: CodeTable, values: CodeTable, G: int, dh: int, has_v
             K_ROW_BYTES=keys.layout.row_bytes, V_ROW_BYTES=values.layout.row_bytes,
             **_segments(keys.layout, "K"), **_asm(keys, "K", ASM_DECODE and not interpret),
             **_segments(values.layout, "V"), **_asm(values, "V", ASM_DECODE and not interpret),
-            HAS_VALID=has_valid, BLOCK_N=_block_n(interpret), BLOCK_E=16 if interpret else BLOCK_E,
+            HAS_VALID=has_valid, RING=ring, BLOCK_N=_block_n(interpret), BLOCK_E=16 if interpret else BLOCK_E,
             num_warps=NUM_WARPS, num_stages=1 if interpret else NUM_STAGES,
             **({} if interpret or MAX_REGISTERS is None else {"maxnreg": MAX_REGISTERS}))
     tuning = (BLOCK_N, NUM_WARPS, NUM_STAGES, MAX_REGISTERS, MIN_BLOCK_G, ASM_DECODE, BLOCK_E)
-    return _memo(("split", id(keys), id(values), G, dh, has_valid, interpret, tuning), (keys, values), make)
+    return _memo(("split", id(keys), id(values), G, dh, has_valid, ring, interpret, tuning), (keys, values), make)
 
 
 def _block_n(interpret: bool) -> int:
@@ -353,7 +375,11 @@ class Partials:
 
 
 def split(a: DecodeAttention) -> Partials:
-    """Run :func:`split_kernel` over the coded slices and the exact tokens of one decode step."""
+    """Run :func:`split_kernel` over the coded slices and the exact tokens of one decode step.
+
+    With ``a.ring`` (a static cache) the slices cover the codes' whole capacity ``a.n_codes`` and the kernel reads the
+    lengths from the device, so the launch is the same at every step (no host synchronization: it can be captured in a
+    CUDA graph); slices past the codes written so far return empty partials."""
     interpret = interpreting()
     q = a.queries
     b, h, G, dh = q.shape
@@ -384,9 +410,10 @@ def split(a: DecodeAttention) -> Partials:
         q_rows, _in_kernel_order(a.key_rotation, keys.table.layout, 1),
         _in_kernel_order(a.value_back, values.table.layout, 0), a.key_mean.float().contiguous(),
         a.value_mean.float().contiguous(), kp, ks, vp, vs, keys.table.levels, values.table.levels,
-        sk, sv, wk, wv, valid if has_valid else m, m, l, acc,
+        sk, sv, wk, wv, valid if has_valid else m, m if a.ring is None else a.ring, m, l, acc,
         a.scaling * LOG2E, n, per_split, h, splits, sk.shape[2], wk.shape[2], kp.shape[2], ks.shape[2], vp.shape[2], vs.shape[2],
-        valid.stride(0) if has_valid else 0), _split_constexprs(keys.table, values.table, G, dh, has_valid, interpret),
+        valid.stride(0) if has_valid else 0), _split_constexprs(keys.table, values.table, G, dh, has_valid, a.ring is not None,
+                                                                   interpret),
         interpret)
     return Partials(m, l, acc, (b, h, G, dh), q.dtype)
 

@@ -336,14 +336,21 @@ class TurboQuantizer:
         signs = pack_signs(rowwise_matmul(residual, self.qjl_matrix(x.device).T))
         return Codes(packed, scales, signs, torch.linalg.vector_norm(residual, dim=1))
 
+    def boundary_table(self, device: torch.device) -> torch.Tensor:
+        """The Triton kernels' ``(n_segments, 256)`` float32 table of decision boundaries on ``device`` (cached;
+        :func:`tqvec.kernels.ops.boundary_table`)."""
+        from .kernels import ops  # noqa: PLC0415 - Triton is optional
+
+        if device not in self._boundary_tables:
+            self._boundary_tables[device] = ops.boundary_table(self._boundaries, device)
+        return self._boundary_tables[device]
+
     def _encode_block_cuda(self, x: torch.Tensor) -> Codes:
         """CUDA: rotate (GEMM), then one Triton kernel normalizes, quantizes and packs (‖Πx‖ = ‖x‖)."""
         from .kernels import ops  # noqa: PLC0415 - Triton is optional and CUDA-only
 
-        if x.device not in self._boundary_tables:
-            self._boundary_tables[x.device] = ops.boundary_table(self._boundaries, x.device)
         rotated = self.rotation.forward(x)
-        packed, norms, alignment = ops.encode(rotated, self.table(x.device), self._boundary_tables[x.device])
+        packed, norms, alignment = ops.encode(rotated, self.table(x.device), self.boundary_table(x.device))
         scales = torch.where(alignment > 0, norms / alignment.clamp_min(1e-30), norms) if self.rescale else norms
         if self.mode == "mse":
             return Codes(packed, scales)

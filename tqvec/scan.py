@@ -284,6 +284,12 @@ class DecodeAttention:
     first group, ``key_segments`` / ``value_segments`` the others, their rotated channels side by side (``D`` is the
     sum); a coded key's logit sums its groups' ``scale · ⟨q_rot channels, ŷ⟩``. ``key_rotation`` ``(h, head_dim, D)``
     and ``value_back`` ``(h, D, head_dim)`` may then differ per head (a per-head channel permutation folded in).
+
+    A static cache (:mod:`tqvec.kv.static`; the CUDA kernel only) gives ``ring`` = ``[total, codes_end]`` on the device
+    instead of lengths on the host: ``n_codes`` is then the codes' capacity, of which tokens ``[0, codes_end − s)`` are
+    read; the sinks hold ``min(total, s)`` tokens; the window is a ring of ``w`` slots, slot ``e`` holding the position
+    ``p ∈ [total − w, total)`` with ``p ≡ e (mod w)``, read when ``p ≥ codes_end``; ``valid`` covers ``s + n_codes``
+    positions.
     """
 
     queries: torch.Tensor  # (b, h, G, head_dim): the G query heads of each KV head
@@ -302,6 +308,7 @@ class DecodeAttention:
     valid: torch.Tensor | None = None  # (b, s + n_codes + w) bool
     key_segments: tuple[CodedHeads, ...] = ()  # further channel groups (CPU only)
     value_segments: tuple[CodedHeads, ...] = ()
+    ring: torch.Tensor | None = None  # (2,) int64 [total, codes_end] on the device: a static cache (CUDA only)
 
     @property
     def key_parts(self) -> tuple[CodedHeads, ...]:
@@ -325,10 +332,11 @@ def _softmax_merge(state: tuple[torch.Tensor, ...], logits: torch.Tensor, values
 
 def _coded_state(a: DecodeAttention, q_rot: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """The online-softmax state ``(max, sum, acc)`` of the rotated, scaled queries ``q_rot`` ``(b, h, G, D)`` over the
-    coded tokens (``valid`` ``(b, n_codes)`` or None): the native kernel where it is built and not switched off
-    (:func:`tqvec._fastscan.set_cpu_kernel`), else torch in blocks of ``BLOCK_ROWS`` code rows over all heads."""
+    coded tokens (``valid`` ``(b, n_codes)`` or None): the native kernel for CPU tensors where it is built and not
+    switched off (:func:`tqvec._fastscan.set_cpu_kernel`), else torch in blocks of ``BLOCK_ROWS`` code rows over all
+    heads (tensors on other devices too: the kernel tests' reference on CUDA)."""
     segments = lambda parts: [(c.packed, c.scale, c.table.native_plan(), c.table.layout.dim) for c in parts]  # noqa: E731
-    if _fastscan.available() and _fastscan.cpu_kernel() != "torch" and a.n_codes:
+    if _fastscan.available() and _fastscan.cpu_kernel() != "torch" and a.n_codes and q_rot.device.type == "cpu":
         return _fastscan.decode_attention(q_rot, segments(a.key_parts), segments(a.value_parts), a.n_codes, valid)
     b, h, G, _ = q_rot.shape
     value_dim = sum(c.table.layout.dim for c in a.value_parts)
@@ -383,8 +391,11 @@ def attend(a: DecodeAttention) -> torch.Tensor:
     torch on CPU (blockwise, bounded memory); the split-sequence Triton kernels of
     :mod:`tqvec.kernels.attention` on CUDA.
     """
-    if a.valid is not None and a.valid.shape != (a.queries.shape[0], a.sink_keys.shape[2] + a.n_codes + a.window_keys.shape[2]):
+    window = 0 if a.ring is not None else a.window_keys.shape[2]
+    if a.valid is not None and a.valid.shape != (a.queries.shape[0], a.sink_keys.shape[2] + a.n_codes + window):
         raise ValueError(f"valid must be (b, kv_length), got {tuple(a.valid.shape)}")
+    if a.ring is not None and not _use_kernels(a.queries):
+        raise ValueError("a static cache's ring (DecodeAttention.ring) is read by the CUDA kernel only")
     if _use_kernels(a.queries):
         if a.key_segments or a.value_segments:
             raise ValueError("channel groups coded apart (key_segments / value_segments) are served on the CPU only")

@@ -11,7 +11,9 @@ Importing this package registers the ``"tqvec"`` attention and mask functions.
 from .attention import NAME, register
 from .cache import CompressedKV, TurboQuantCache, TurboQuantLayer
 from .codec import HeadCodec
+from .static import StaticKV, StaticTurboQuantCache, StaticTurboQuantLayer
 
 register()
 
-__all__ = ["NAME", "CompressedKV", "HeadCodec", "TurboQuantCache", "TurboQuantLayer", "register"]
+__all__ = ["NAME", "CompressedKV", "HeadCodec", "StaticKV", "StaticTurboQuantCache", "StaticTurboQuantLayer",
+           "TurboQuantCache", "TurboQuantLayer", "register"]

@@ -65,6 +65,7 @@ from .. import scan
 from ..quantizer import TurboQuantizer
 from .cache import CompressedKV
 from .codec import HeadCodec
+from .static import StaticKV, StaticTurboQuantLayer
 from .store import ENCODE_ROWS, CodeStore, restore_channels
 
 NAME = "tqvec"
@@ -172,6 +173,28 @@ def decode_step(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor | 
         value_segments=tuple(values[1:]),
         key_mean=layer.key_mean, value_mean=layer.value_mean, sink_keys=handle.sink_keys, sink_values=handle.sink_values,
         window_keys=handle.keys, window_values=handle.values, valid=None if mask is None else mask[:, 0, 0, :].expand(b, -1))
+
+
+def static_decode_step(handle: StaticKV, query: torch.Tensor, mask: torch.Tensor | None,
+                       scaling: float) -> scan.DecodeAttention:
+    """The :class:`tqvec.scan.DecodeAttention` of a one-token step over a static cache's buffers, lengths read on the
+    device (``ring``): fixed shapes, no host synchronization (the CUDA kernel reads it; on the CPU the attention takes
+    :meth:`StaticKV.materialize <tqvec.kv.static.StaticKV.materialize>` instead). ``mask``: boolean
+    ``(b, 1, 1, max_cache_len)`` or None (then the layer's all-True row: the kernel's specialization does not depend on
+    whether transformers made a mask, which it does while a CUDA graph is being captured)."""
+    layer = handle.layer
+    b, hq, _, d = query.shape
+    h_kv = layer.ring_keys.shape[1]
+    k_fwd, _ = _codec_rotations(layer.key_codec, None, query.device)
+    _, v_back = _codec_rotations(layer.value_codec, None, query.device)
+    coded = lambda store: scan.CodedHeads(  # noqa: E731
+        store.fields[0]["packed"], store.fields[0]["scales"], store.codec.groups[0].quantizer.table(query.device))
+    return scan.DecodeAttention(
+        queries=query.reshape(b, h_kv, hq // h_kv, d), scaling=scaling, key_rotation=k_fwd, value_back=v_back,
+        keys=coded(layer.key_store), values=coded(layer.value_store), n_codes=layer.capacity, key_mean=layer.key_mean,
+        value_mean=layer.value_mean, sink_keys=layer.sink_keys, sink_values=layer.sink_values,
+        window_keys=layer.ring_keys, window_values=layer.ring_values,
+        valid=layer.all_valid if mask is None else mask[:, 0, 0, :].expand(b, -1), ring=layer.lengths)
 
 
 def compressed_attention(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
@@ -287,6 +310,17 @@ def tqvec_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, v
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True: the tqvec attention does not return attention weights (it never forms "
                          "them over the compressed tokens); call the model with output_attentions=False")
+    if isinstance(key, StaticKV):  # a static cache's one-token step
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            attention_mask = attention_mask == 0
+        if query.is_cuda:
+            scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+            out = scan.attend(static_decode_step(key, query, attention_mask, scaling)).reshape(query.shape)
+            return out.transpose(1, 2).contiguous(), None
+        key = value = key.materialize()
+    if isinstance(key, CompressedKV) and attention_mask is not None and attention_mask.shape[-1] > key.kv_length \
+            and isinstance(key.layer, StaticTurboQuantLayer):  # a static cache's mask spans max_cache_len positions
+        attention_mask = attention_mask[..., :key.kv_length]
     if not isinstance(key, CompressedKV):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if dropout:

@@ -163,18 +163,7 @@ class TurboQuantLayer(CacheLayerMixin):
         return handle, handle
 
     def _check_states(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Shapes of an update: ``(b, h, t, head_dim)`` floats, ``head_dim`` the one the codecs were built for."""
-        for name, x in (("key_states", key_states), ("value_states", value_states)):
-            if not isinstance(x, torch.Tensor) or x.ndim != 4 or not x.is_floating_point():
-                raise ValueError(f"{name} must be a (batch, heads, tokens, head_dim) float tensor, got "
-                                 f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-            if x.shape[-1] != self.key_codec.head_dim:
-                raise ValueError(
-                    f"config: the cache was built for head_dim {self.key_codec.head_dim}, but the model's {name} have "
-                    f"head_dim {x.shape[-1]}; build TurboQuantCache from the model's own config (model.config)")
-        if key_states.shape[:3] != value_states.shape[:3]:
-            raise ValueError(f"key_states {tuple(key_states.shape)} and value_states {tuple(value_states.shape)} differ "
-                             "in (batch, heads, tokens)")
+        checks.check_states(key_states, value_states, self.key_codec.head_dim)
 
     def _init_statistics(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Centering means ``(b, h, d)`` and outlier permutations ``(h, d)`` from all non-sink tokens present now.

@@ -76,3 +76,21 @@ def check_finite(name: str, x: torch.Tensor) -> None:
         return
     if x.numel() and not bool(torch.isfinite(x.sum())) and not bool(torch.isfinite(x).all()):
         raise ValueError(f"{name} contains NaN or Inf")
+
+
+def check_states(key_states: Any, value_states: Any, head_dim: int) -> None:
+    """Shapes of a cache update: ``(b, h, t, head_dim)`` float tensors, ``head_dim`` the one the cache was built for.
+
+    Raises ``ValueError`` naming the argument (a wrong ``head_dim`` names the config: the cache was built from
+    another model's).
+    """
+    for name, x in (("key_states", key_states), ("value_states", value_states)):
+        if not isinstance(x, torch.Tensor) or x.ndim != 4 or not x.is_floating_point():
+            raise ValueError(f"{name} must be a (batch, heads, tokens, head_dim) float tensor, got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if x.shape[-1] != head_dim:
+            raise ValueError(f"config: the cache was built for head_dim {head_dim}, but the model's {name} have "
+                             f"head_dim {x.shape[-1]}; build the cache from the model's own config (model.config)")
+    if key_states.shape[:3] != value_states.shape[:3]:
+        raise ValueError(f"key_states {tuple(key_states.shape)} and value_states {tuple(value_states.shape)} differ "
+                         "in (batch, heads, tokens)")

@@ -87,6 +87,30 @@ class CodeStore:
                     dst["rnorms"][:, :, at] = codes.residual_norms.view(b, h, stop - start).half()
         self.length += t
 
+    def allocate(self, capacity: int, b: int, h: int, device: torch.device) -> None:
+        """Allocate zeroed buffers of exactly ``capacity`` tokens for an empty store (a static cache's, which never
+        grows). Raises ``ValueError`` if the store already holds buffers."""
+        if self.fields:
+            raise ValueError("allocate: the store already holds buffers")
+        self.fields = self._empty_fields(b, h, capacity, device)
+
+    def write_one(self, x: torch.Tensor, mean: torch.Tensor, index: torch.Tensor, write: torch.Tensor) -> None:
+        """Encode ``x`` ``(b, h, 1, head_dim)`` as ``x − mean`` and store it at token ``index`` (a 0-d int64 tensor)
+        of every (batch row, head) where ``write`` (a 0-d bool tensor) is True; else leave the store as it is.
+
+        Fixed shapes and no host synchronization (so a CUDA graph can capture it): the token is always encoded,
+        then written back over itself when ``write`` is False. One channel group (an integer rate), no channel
+        order; ``x`` is not checked for NaN or ±inf (that check would synchronize). ``length`` is not changed.
+        """
+        b, h, _, d = x.shape
+        rows = (x.float() - mean[:, :, None]).reshape(b * h, d).contiguous()
+        codes = self.codec.groups[0].quantizer.encode_checked(rows)
+        at = index.view(1)
+        fields = self.fields[0]
+        for name, new in (("packed", codes.packed.view(b, h, 1, -1)), ("scales", codes.scales.view(b, h, 1).half())):
+            buffer = fields[name]
+            buffer.index_copy_(2, at, torch.where(write, new, buffer.index_select(2, at)))
+
     def _empty_fields(self, b: int, h: int, capacity: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
         """Zeroed buffers of ``capacity`` tokens for every group and field."""
         out = []
