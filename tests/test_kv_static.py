@@ -201,3 +201,15 @@ def test_fused_one_token_steps_equal_torch_steps(bits, prompt, steps) -> None:
         assert (fa["packed"] != fb["packed"]).float().mean().item() <= 0.01
         torch.testing.assert_close(fa["scales"].float(), fb["scales"].float(), rtol=1e-3, atol=1e-6)
     assert int(fused_layer.lengths[1]) > 3 + (prompt > 16) * (prompt - 3 - 16)  # the steps did evict tokens
+
+
+def test_nbytes_counts_every_buffer(model) -> None:
+    """Per layer: sinks and window ring (float32 here), codes (4-bit: 8 bytes + a float16 scale per head vector of 16
+    channels) for max_cache_len − sinks tokens, float32 means, the lengths and the all-valid row."""
+    _, static = _pair(model, max_cache_len=96)
+    with torch.no_grad():
+        model(input_ids=torch.zeros(2, 20, dtype=torch.long), cache=static)
+    b, h, d = 2, 2, 16
+    per_layer = (2 * b * h * (SINKS + WINDOW + 1) * d * 4 + 2 * b * h * (96 - SINKS) * (8 + 2) + 2 * b * h * d * 4
+                 + 2 * 8 + b * 96)
+    assert static.nbytes() == model.config.num_hidden_layers * per_layer

@@ -244,7 +244,31 @@ class TurboQuantLayer(CacheLayerMixin):
         raise NotImplementedError("TurboQuantLayer does not support offloading")
 
 
-class TurboQuantCache(Cache):
+class CodedCache(Cache):
+    """What :class:`TurboQuantCache` and :class:`~tqvec.kv.static.StaticTurboQuantCache` share: ``update`` with a clear
+    error for a layer the cache was not built for, and ``nbytes``."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """``Cache.update``, with a clear error when the model has more layers than the config the cache was built from."""
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(
+                f"config: the cache was built for {len(self.layers)} layers, but the model updates layer {layer_idx}; "
+                f"build {type(self).__name__} from the model's own config (model.config)")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def nbytes(self) -> int:
+        """Bytes held by all layers: a compressed layer's ``nbytes()`` (codes, exact tokens, statistics), a
+        transformers layer's keys and values."""
+        total = 0
+        for layer in self.layers:
+            if hasattr(layer, "nbytes"):
+                total += layer.nbytes()
+            elif getattr(layer, "is_initialized", False):
+                total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values) if t is not None)
+        return total
+
+
+class TurboQuantCache(CodedCache):
     """TurboQuant KV cache for a transformers model (full-attention layers compressed, others dynamic).
 
     ``key_bits`` / ``value_bits``: bits per channel (1–8, fractional allowed, see
@@ -282,21 +306,3 @@ class TurboQuantCache(Cache):
                   else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw) for kind, kw in zip(layer_types, layer_kwargs)]
         super().__init__(layers=layers)
         self.key_codec, self.value_codec = key_codec, value_codec
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """``Cache.update``, with a clear error when the model has more layers than the config the cache was built from."""
-        if not 0 <= layer_idx < len(self.layers):
-            raise ValueError(
-                f"config: the cache was built for {len(self.layers)} layers, but the model updates layer {layer_idx}; "
-                "build TurboQuantCache from the model's own config (model.config)")
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-    def nbytes(self) -> int:
-        """Exact bytes held by all layers (compressed layers: codes + window + statistics)."""
-        total = 0
-        for layer in self.layers:
-            if isinstance(layer, TurboQuantLayer):
-                total += layer.nbytes()
-            elif getattr(layer, "is_initialized", False):
-                total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values) if t is not None)
-        return total

@@ -37,10 +37,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, CacheLayerMixin, get_layer_types_and_kwargs
 
 from . import checks
-from .cache import CompressedKV, _channel_moments
+from .cache import CodedCache, CompressedKV, _channel_moments
 from .codec import HeadCodec
 from .store import CodeStore
 
@@ -290,7 +290,7 @@ class StaticTurboQuantLayer(CacheLayerMixin):
         raise NotImplementedError("StaticTurboQuantLayer does not support offloading")
 
 
-class StaticTurboQuantCache(Cache):
+class StaticTurboQuantCache(CodedCache):
     """TurboQuant KV cache with preallocated buffers for ``max_cache_len`` tokens (full-attention layers compressed,
     others transformers' static layers), whose one-token steps can be captured in a CUDA graph.
 
@@ -341,21 +341,3 @@ class StaticTurboQuantCache(Cache):
                   for kind, kw in zip(layer_types, layer_kwargs)]
         super().__init__(layers=layers)
         self.key_codec, self.value_codec = key_codec, value_codec
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """``Cache.update``, with a clear error when the model has more layers than the config the cache was built from."""
-        if not 0 <= layer_idx < len(self.layers):
-            raise ValueError(
-                f"config: the cache was built for {len(self.layers)} layers, but the model updates layer {layer_idx}; "
-                "build StaticTurboQuantCache from the model's own config (model.config)")
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-    def nbytes(self) -> int:
-        """Bytes allocated by all layers (compressed layers: codes + sinks + window ring + means)."""
-        total = 0
-        for layer in self.layers:
-            if isinstance(layer, StaticTurboQuantLayer):
-                total += layer.nbytes()
-            elif getattr(layer, "is_initialized", False):
-                total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values) if t is not None)
-        return total
