@@ -61,7 +61,13 @@ def test_generate_with_left_padding_equals_the_dynamic_cache(model) -> None:
                              pad_token_id=0)
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, cache=static,
                              pad_token_id=0)
+        full = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                              cache=DynamicCache(config=model.config), pad_token_id=0)
+        _, static8 = _pair(model, bits=8)
+        out8 = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, cache=static8,
+                              pad_token_id=0)
     assert torch.equal(out, ref)
+    assert torch.equal(out8, full)  # 8-bit codes: DynamicCache's greedy tokens (a pad read as a token would change them)
 
 
 def test_8bit_logits_track_the_full_cache(model) -> None:
