@@ -119,9 +119,6 @@ class StaticTurboQuantLayer(CacheLayerMixin):
         if self.fused:  # the rotations as (d, d) float32 matrices (x @ matrix rotates x), for the fused kernel
             self.rotations = [codec.groups[0].quantizer.rotation.forward(torch.eye(d, device=self.device)).contiguous()
                               for codec in (key_codec, value_codec)]
-        if not torch.compiler.is_compiling():  # fixed addresses: compiled graphs and CUDA graphs read them in place
-            for t in self._buffers():
-                torch._dynamo.mark_static_address(t)
         self.is_initialized = True
 
     def _buffers(self) -> list[torch.Tensor]:
