@@ -1,7 +1,7 @@
 """Triton kernels of a static KV cache's one-token step (:mod:`tqvec.kv.static`): the token is written into its sink or
 window-ring slot, and the ring's oldest token is encoded into the codes when it leaves, in one launch per side.
 
-The torch path of :meth:`StaticTurboQuantLayer._append_one <tqvec.kv.static.StaticTurboQuantLayer._append_one>` takes
+The torch path of :meth:`StaticTurboQuantLayer.write_one <tqvec.kv.static.StaticTurboQuantLayer.write_one>` takes
 some twenty small operations per side (gathers, ``where``, the rotation GEMM, the encode kernel, the rescale, the
 scatters); replayed from a CUDA graph each still costs a launch. Here :func:`append_kernel` does a side's work in one
 program, reading ``[total, codes_end]`` on the device: rotation (float32 products, ``ieee`` precision), normalization,

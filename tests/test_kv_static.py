@@ -118,6 +118,33 @@ def test_one_token_update_traces_without_graph_breaks(model) -> None:
     assert layer.lengths.tolist() == [21, 21 - WINDOW]
 
 
+def test_compiled_decode_steps_equal_eager_steps(model) -> None:
+    """torch.compile(fullgraph=True) traces a one-token step in one graph (the step's writes and attention are custom
+    operators, tqvec.kv.static_ops), and its functionalized writes reach the cache: the same logits and lengths as
+    eager steps (aot_eager runs the traced graph without inductor's code generation)."""
+    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(6))
+    prompt_mask = torch.ones(2, 40, dtype=torch.long)
+    prompt_mask[1, :7] = 0
+    step_mask = torch.ones(2, 96, dtype=torch.long)  # one width for every step (no recompilation): max_cache_len
+    step_mask[1, :7] = 0
+
+    def steps(forward) -> tuple[torch.Tensor, list[int]]:
+        _, static = _pair(model)
+        out = []
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=prompt_mask, cache=static).logits
+            for _ in range(12):
+                logits = forward(input_ids=logits[:, -1:].argmax(-1), attention_mask=step_mask, cache=static).logits
+                out.append(logits)
+        return torch.stack(out), static.layers[0].lengths.tolist()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=False)
+    (eager, eager_lengths), (traced, traced_lengths) = steps(model), steps(compiled)
+    assert traced_lengths == eager_lengths == [52, 52 - WINDOW - 1]
+    torch.testing.assert_close(traced, eager, rtol=0, atol=1e-6)
+
+
 def test_bad_arguments_are_refused(model) -> None:
     with pytest.raises(ValueError, match="key_bits: a static cache takes integer bit widths"):
         StaticTurboQuantCache(model.config, 64, key_bits=3.5)

@@ -6,6 +6,9 @@ Three lines turn it on::
     model.set_attn_implementation("tqvec")
     model.generate(**inputs, past_key_values=cache)   # or cache=cache in newer transformers
 
+:class:`StaticTurboQuantCache` (``tqvec.kv.static``) preallocates its buffers for ``max_cache_len`` tokens so that a
+decode step can be captured in a CUDA graph and replayed (docs/kv.md).
+
 Importing this package registers the ``"tqvec"`` attention and mask functions.
 """
 from .attention import NAME, register

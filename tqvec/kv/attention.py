@@ -197,6 +197,25 @@ def static_decode_step(handle: StaticKV, query: torch.Tensor, mask: torch.Tensor
         valid=layer.all_valid if mask is None else mask[:, 0, 0, :].expand(b, -1), ring=layer.lengths)
 
 
+def static_attention(layer: StaticTurboQuantLayer, query: torch.Tensor, mask: torch.Tensor | None,
+                     scaling: float) -> torch.Tensor:
+    """Output ``(b, hq, 1, d)`` in ``query``'s dtype of a one-token step over a static cache's layer (after the step's
+    token was written). CUDA: the decode kernel's ring mode (:func:`static_decode_step`, no host synchronization);
+    elsewhere the dynamic cache's paths over :meth:`StaticKV.materialize <tqvec.kv.static.StaticKV.materialize>`.
+    ``mask``: boolean ``(b, 1, 1, max_cache_len)`` or None."""
+    handle = StaticKV(layer)
+    if query.is_cuda:
+        return scan.attend(static_decode_step(handle, query, mask, scaling)).reshape(query.shape)
+    coded = handle.materialize()
+    if mask is not None:
+        mask = mask[..., :coded.kv_length]
+    if coded.n_codes == 0:  # nothing coded yet: exact attention over the sinks and the window
+        keys, values = torch.cat([coded.sink_keys, coded.keys], dim=2), torch.cat([coded.sink_values, coded.values], dim=2)
+        return torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,
+                                                                enable_gqa=query.shape[1] != keys.shape[1])
+    return scan.attend(decode_step(coded, query, mask, scaling)).reshape(query.shape)
+
+
 def compressed_attention(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
     """Attention output ``(b, hq, q, d)`` float32 for ``query`` ``(b, hq, q, d)`` (the general per-head path).
 
@@ -310,14 +329,12 @@ def tqvec_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, v
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True: the tqvec attention does not return attention weights (it never forms "
                          "them over the compressed tokens); call the model with output_attentions=False")
-    if isinstance(key, StaticKV):  # a static cache's one-token step
+    if isinstance(key, StaticKV):  # a static cache's one-token step: one custom operator (tqvec.kv.static_ops)
         if attention_mask is not None and attention_mask.dtype != torch.bool:
             attention_mask = attention_mask == 0
-        if query.is_cuda:
-            scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-            out = scan.attend(static_decode_step(key, query, attention_mask, scaling)).reshape(query.shape)
-            return out.transpose(1, 2).contiguous(), None
-        key = value = key.materialize()
+        scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+        out = torch.ops.tqvec.static_attend(query, attention_mask, key.layer.buffers(), key.layer.op_key, scaling)
+        return out.transpose(1, 2).contiguous(), None
     if isinstance(key, CompressedKV) and attention_mask is not None and attention_mask.shape[-1] > key.kv_length \
             and isinstance(key.layer, StaticTurboQuantLayer):  # a static cache's mask spans max_cache_len positions
         attention_mask = attention_mask[..., :key.kv_length]

@@ -3,9 +3,10 @@
 The counterpart of transformers' ``StaticCache``: every buffer is allocated at the first update for ``max_cache_len``
 tokens and later updates write into it in place, so a one-token decode step has fixed shapes, fixed addresses and no
 host synchronization, and can be captured in a CUDA graph (``torch.cuda.graph``) and replayed (docs/kv.md shows how;
-``tqvec bench kv-graph`` measures it). ``torch.compile`` does not trace the step's Triton launches yet (they are not
-custom operators), so the layers say ``is_compileable = False`` and ``generate()`` runs them eagerly instead of compiling
-(it would fail in dynamo).
+``tqvec bench kv-graph`` measures it). The step's writes and its attention are custom operators
+(:mod:`tqvec.kv.static_ops`), so ``torch.compile(model, fullgraph=True)`` traces a step in one graph (tested on the
+CPU); compiled steps are not measured on a GPU yet, so the layers say ``is_compileable = False`` and ``generate()``
+does not compile them on its own.
 
 Per full-attention layer (:class:`StaticTurboQuantLayer`), cache positions are split three ways:
 
@@ -34,12 +35,13 @@ would synchronize); the one-token step does not check its keys and values for Na
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, CacheLayerMixin, get_layer_types_and_kwargs
 
-from . import checks
+from . import checks, static_ops
 from .cache import CodedCache, CompressedKV, _channel_moments
 from .codec import HeadCodec
 from .store import CodeStore
@@ -72,8 +74,8 @@ class StaticKV:
 class StaticTurboQuantLayer(CacheLayerMixin):
     """One full-attention layer of a :class:`StaticTurboQuantCache` (see the module docstring)."""
 
-    #: False: ``torch.compile`` cannot trace the Triton launches of the step yet (they are not registered as custom
-    #: operators), so ``generate()`` must not compile the model on its own; capture steps with ``torch.cuda.graph``
+    #: False: ``generate()`` compiles a model with ``torch.compile(mode="reduce-overhead")`` on its own when its cache
+    #: says True, and that is not measured on a GPU yet for this cache; capture steps with ``torch.cuda.graph``
     is_compileable = False
     is_sliding = False
     is_croppable = True
@@ -119,12 +121,29 @@ class StaticTurboQuantLayer(CacheLayerMixin):
         if self.fused:  # the rotations as (d, d) float32 matrices (x @ matrix rotates x), for the fused kernel
             self.rotations = [codec.groups[0].quantizer.rotation.forward(torch.eye(d, device=self.device)).contiguous()
                               for codec in (key_codec, value_codec)]
+        self.op_key = static_ops.register(self)
         self.is_initialized = True
 
-    def _buffers(self) -> list[torch.Tensor]:
+    def buffers(self) -> list[torch.Tensor]:
+        """Every tensor the layer holds (what a one-token step writes and its attention reads), in the order
+        :meth:`with_buffers` takes them."""
         stores = [t for store in (self.key_store, self.value_store) for t in store.fields[0].values()]
         return [self.sink_keys, self.sink_values, self.ring_keys, self.ring_values, self.key_mean, self.value_mean,
                 self.lengths, self.all_valid, *stores]
+
+    def with_buffers(self, tensors: list[torch.Tensor]) -> "StaticTurboQuantLayer":
+        """This layer over other ``tensors`` (shaped as :meth:`buffers`): the layer itself when they are its own, else a
+        shallow copy holding them. The custom operators (:mod:`tqvec.kv.static_ops`) work on the tensors they are
+        given, which a compiled graph may have replaced by copies of the layer's."""
+        if all(a is b for a, b in zip(tensors, self.buffers())):
+            return self
+        twin = copy.copy(self)
+        (twin.sink_keys, twin.sink_values, twin.ring_keys, twin.ring_values, twin.key_mean, twin.value_mean, twin.lengths,
+         twin.all_valid, key_packed, key_scales, value_packed, value_scales) = tensors
+        twin.key_store, twin.value_store = copy.copy(self.key_store), copy.copy(self.value_store)
+        twin.key_store.fields = [{"packed": key_packed, "scales": key_scales}]
+        twin.value_store.fields = [{"packed": value_packed, "scales": value_scales}]
+        return twin
 
     # ------------------------------------------------------------------ update
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -137,16 +156,17 @@ class StaticTurboQuantLayer(CacheLayerMixin):
             raise ValueError(f"key_states {tuple(key_states.shape)} do not extend the cached (batch, heads, head_dim) "
                              f"{tuple(self.ring_keys.shape[:2])}, {self.ring_keys.shape[-1]}")
         if key_states.shape[2] == 1:
-            self._append_one(key_states, value_states)
+            torch.ops.tqvec.static_append(key_states, value_states, self.buffers(), self.op_key)
             handle = StaticKV(self)
             return handle, handle
         checks.check_states(key_states, value_states, self.key_codec.head_dim)
         handle = self._append_many(key_states, value_states)
         return handle, handle
 
-    def _append_one(self, key: torch.Tensor, value: torch.Tensor) -> None:
+    def write_one(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """One token at position ``total``, without host synchronization and with fixed shapes: three Triton launches
-        where :attr:`fused` (:mod:`tqvec.kernels.append`), else torch operations."""
+        where :attr:`fused` (:mod:`tqvec.kernels.append`), else torch operations. :meth:`update` calls it through the
+        ``tqvec::static_append`` operator (:mod:`tqvec.kv.static_ops`)."""
         if self.fused:
             from ..kernels import append  # noqa: PLC0415 - Triton is optional
 
@@ -245,7 +265,7 @@ class StaticTurboQuantLayer(CacheLayerMixin):
         """Bytes held (allocated): sinks, window ring, codes, means, lengths and the all-valid row."""
         if not self.is_initialized:
             return 0
-        return sum(t.numel() * t.element_size() for t in self._buffers())
+        return sum(t.numel() * t.element_size() for t in self.buffers())
 
     # ------------------------------------------------------------------ edits
     def reset(self) -> None:
@@ -270,7 +290,7 @@ class StaticTurboQuantLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         index = beam_idx.to(self.device)
-        for t in self._buffers():
+        for t in self.buffers():
             if t is not self.lengths and t is not self.all_valid:
                 t.copy_(t.index_select(0, index))
 
