@@ -7,6 +7,8 @@ For each ``--contexts`` length (batch ``--batch``) and each cache:
 * ``StaticCache + sdpa (torch.compile)`` (``--compile``): ``torch.compile(model, mode="reduce-overhead")``, the recipe
   transformers documents for ``StaticCache`` (CUDA graphs of inductor's fused code);
 * ``StaticTurboQuantCache --bits + tqvec (graph)``: one decode step captured with ``torch.cuda.graph`` and replayed;
+* ``StaticTurboQuantCache --bits + tqvec (torch.compile)`` (``--compile-tqvec``): the same ``torch.compile`` recipe
+  (the step's writes and attention are custom operators, ``tqvec.kv.static_ops``);
 * both static caches eagerly (the same steps without graphs), for reference.
 
 Each run: a fresh cache of ``context + WARMUP + --steps + 1`` tokens, a one-shot prefill of ``context`` random tokens
@@ -74,9 +76,9 @@ def measure(model, cache, context: int, batch: int, steps: int, mode: str) -> di
     return {"ms_per_step": ms, "tokens_per_s": batch * 1000 / ms, "cached_tokens": int(cache.get_seq_length())}
 
 
-def _ratio(rows: dict[tuple[str, str], dict], mode: str) -> str:
-    """tqvec's graph tokens/s over StaticCache's in ``mode`` (``"—"`` where either is missing)."""
-    tq, base = rows.get(("StaticTurboQuantCache", "graph")), rows.get(("StaticCache", mode))
+def _ratio(rows: dict[tuple[str, str], dict], mode: str, tqvec_mode: str = "graph") -> str:
+    """tqvec's tokens/s in ``tqvec_mode`` over StaticCache's in ``mode`` (``"—"`` where either is missing)."""
+    tq, base = rows.get(("StaticTurboQuantCache", tqvec_mode)), rows.get(("StaticCache", mode))
     return "—" if tq is None or base is None else f"{tq['tokens_per_s'] / base['tokens_per_s']:.2f}×"
 
 
@@ -90,13 +92,13 @@ def markdown(data: dict) -> str:
     for r in data["rows"]:
         lines.append(f"| {r['context']} | {r['cache']} | {r['mode']} | {r['ms_per_step']:.3f} | {r['tokens_per_s']:.1f} | "
                      f"{r['cached_tokens']} |")
-    lines += ["", "| context | tqvec (graph) / StaticCache (graph) | tqvec (graph) / StaticCache (torch.compile) | target "
-              "(vs torch.compile) |", "|---|---|---|---|"]
+    lines += ["", "| context | tqvec (graph) / StaticCache (graph) | tqvec (graph) / StaticCache (torch.compile) | "
+              "tqvec (torch.compile) / StaticCache (torch.compile) | target (vs torch.compile) |", "|---|---|---|---|---|"]
     for context in sorted({r["context"] for r in data["rows"]}):
         rows = {(r["cache"], r["mode"]): r for r in data["rows"] if r["context"] == context}
         target = TARGETS.get(context)
         lines.append(f"| {context} | {_ratio(rows, 'graph')} | {_ratio(rows, 'compile')} | "
-                     f"{'—' if target is None else f'≥ {target}×'} |")
+                     f"{_ratio(rows, 'compile', 'compile')} | {'—' if target is None else f'≥ {target}×'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -109,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--steps", type=int, default=64, help="timed decode steps per run")
     p.add_argument("--compile", action="store_true", help="also StaticCache under torch.compile(mode='reduce-overhead')")
+    p.add_argument("--compile-tqvec", action="store_true", help="also StaticTurboQuantCache under torch.compile")
     p.add_argument("--tiny", action="store_true", help="a small model (smoke runs)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
@@ -121,7 +124,8 @@ def main(argv: list[str] | None = None) -> None:
             "torch": torch.__version__, "rows": []}
     runs = [("StaticCache", "sdpa", "eager"), ("StaticCache", "sdpa", "graph"),
             *([("StaticCache", "sdpa", "compile")] if args.compile else []),
-            ("StaticTurboQuantCache", "tqvec", "eager"), ("StaticTurboQuantCache", "tqvec", "graph")]
+            ("StaticTurboQuantCache", "tqvec", "eager"), ("StaticTurboQuantCache", "tqvec", "graph"),
+            *([("StaticTurboQuantCache", "tqvec", "compile")] if args.compile_tqvec else [])]
     args.out.mkdir(parents=True, exist_ok=True)
     for context in [int(x) for x in args.contexts.split(",") if x]:
         length = context + WARMUP + args.steps + 1

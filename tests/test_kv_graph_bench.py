@@ -22,10 +22,11 @@ def test_markdown_ratios_and_targets() -> None:
     data = {"device": "GPU", "command": "tqvec bench kv-graph", "layers": 32, "batch": 1, "steps": 64,
             "transformers": "5", "torch": "2", "rows": [
                 _row(32768, "StaticCache", "graph", 20.0), _row(32768, "StaticCache", "compile", 10.0),
-                _row(32768, "StaticTurboQuantCache", "graph", 8.0), _row(4096, "StaticCache", "graph", 5.0)]}
+                _row(32768, "StaticTurboQuantCache", "graph", 8.0), _row(32768, "StaticTurboQuantCache", "compile", 5.0),
+                _row(4096, "StaticCache", "graph", 5.0)]}
     md = kv_graph.markdown(data)
-    assert "| 32768 | 2.50× | 1.25× | ≥ 1.0× |" in md  # tqvec's tokens/s over each baseline's
-    assert "| 4096 | — | — | — |" in md  # no tqvec row, no target at this context
+    assert "| 32768 | 2.50× | 1.25× | 2.00× | ≥ 1.0× |" in md  # tqvec's tokens/s over each baseline's
+    assert "| 4096 | — | — | — | — |" in md  # no tqvec row, no target at this context
 
 
 def test_committed_report_matches_its_json() -> None:
