@@ -88,6 +88,7 @@ def advance_kernel(lengths_ptr, n_sinks, window):
 APPEND = Launcher(append_kernel)
 ADVANCE = Launcher(advance_kernel)
 _CONSTEXPRS: dict[tuple, dict[str, object]] = {}
+_ADVANCE_CONSTEXPRS: dict[str, object] = {"num_warps": 1}
 
 
 def serves(quantizer: TurboQuantizer) -> bool:
@@ -130,6 +131,3 @@ def append_side(x: torch.Tensor, ring: torch.Tensor, sinks: torch.Tensor, mean: 
 def advance(lengths: torch.Tensor, n_sinks: int, window: int) -> None:
     """Launch :func:`advance_kernel`: the step's token is counted, and the evicted one (if any) is in the codes."""
     ADVANCE((1,), (lengths, n_sinks, window), _ADVANCE_CONSTEXPRS, interpreting())
-
-
-_ADVANCE_CONSTEXPRS: dict[str, object] = {"num_warps": 1}

@@ -175,8 +175,6 @@ def _filled(bits: int, batch: int, heads: int, d: int, prompt: int, steps: int, 
         layer.lazy_initialization(new(0), new(0))
     if fused is not None:
         layer.fused = fused
-        layer.rotations = [c.groups[0].quantizer.rotation.forward(torch.eye(d, device=KERNEL_DEVICE)).contiguous()
-                           for c in (layer.key_codec, layer.value_codec)]
     if crop:
         layer.crop(-crop)
     for _ in range(steps):

@@ -135,10 +135,10 @@ class TurboQuantLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[CompressedKV, CompressedKV]:
         """Append ``(b, h, t, d)`` keys/values; compress what leaves the window; return the read handle twice."""
         if not self.is_initialized:
-            self._check_states(key_states, value_states)
+            checks.check_states(key_states, value_states, self.key_codec.head_dim)
             self.lazy_initialization(key_states, value_states)
         elif key_states.shape[-1] != self.keys.shape[-1] or key_states.shape[:2] != self.keys.shape[:2]:
-            self._check_states(key_states, value_states)
+            checks.check_states(key_states, value_states, self.key_codec.head_dim)
             raise ValueError(f"key_states {tuple(key_states.shape)} do not extend the cached (batch, heads, tokens, head_dim) "
                              f"{tuple(self.keys.shape)}")
         if self.keys.shape[2]:
@@ -161,9 +161,6 @@ class TurboQuantLayer(CacheLayerMixin):
         else:
             self.keys, self.values = keys, values
         return handle, handle
-
-    def _check_states(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        checks.check_states(key_states, value_states, self.key_codec.head_dim)
 
     def _init_statistics(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Centering means ``(b, h, d)`` and outlier permutations ``(h, d)`` from all non-sink tokens present now.

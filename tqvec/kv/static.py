@@ -101,7 +101,6 @@ class StaticTurboQuantLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         checks.check_states(key_states, value_states, self.key_codec.head_dim)
-        key_codec, value_codec = self.key_codec, self.value_codec
         self.device, self.dtype = key_states.device, key_states.dtype
         b, h, _, d = key_states.shape
         new = lambda t: key_states.new_zeros((b, h, t, d))  # noqa: E731
@@ -117,10 +116,8 @@ class StaticTurboQuantLayer(CacheLayerMixin):
         #: whether or not a mask is given (transformers materializes the mask while a CUDA graph is being captured)
         self.all_valid = torch.ones((b, self.max_cache_len), dtype=torch.bool, device=self.device)
         self.centered = False
-        self.fused = FUSED_APPEND and self.device.type == "cuda" and _fused_append_serves(key_codec, value_codec)
-        if self.fused:  # the rotations as (d, d) float32 matrices (x @ matrix rotates x), for the fused kernel
-            self.rotations = [codec.groups[0].quantizer.rotation.forward(torch.eye(d, device=self.device)).contiguous()
-                              for codec in (key_codec, value_codec)]
+        self.fused = FUSED_APPEND and self.device.type == "cuda" and _fused_append_serves(self.key_codec,
+                                                                                          self.value_codec)
         self.op_key = static_ops.register(self)
         self.is_initialized = True
 
@@ -169,13 +166,14 @@ class StaticTurboQuantLayer(CacheLayerMixin):
         ``tqvec::static_append`` operator (:mod:`tqvec.kv.static_ops`)."""
         if self.fused:
             from ..kernels import append  # noqa: PLC0415 - Triton is optional
+            from .attention import _rotation_matrices  # noqa: PLC0415 - attention imports this module
 
-            for x, ring, sinks, mean, store, rotation in (
-                    (key, self.ring_keys, self.sink_keys, self.key_mean, self.key_store, self.rotations[0]),
-                    (value, self.ring_values, self.sink_values, self.value_mean, self.value_store, self.rotations[1])):
-                fields = store.fields[0]
-                append.append_side(x, ring, sinks, mean, rotation, store.codec.groups[0].quantizer, fields["packed"],
-                                   fields["scales"], self.lengths)
+            for x, ring, sinks, mean, store in (
+                    (key, self.ring_keys, self.sink_keys, self.key_mean, self.key_store),
+                    (value, self.ring_values, self.sink_values, self.value_mean, self.value_store)):
+                quantizer, fields = store.codec.groups[0].quantizer, store.fields[0]
+                append.append_side(x, ring, sinks, mean, _rotation_matrices(quantizer, x.device)[0], quantizer,
+                                   fields["packed"], fields["scales"], self.lengths)
             append.advance(self.lengths, self.sinks, self.window)
             return
         total, codes_end = self.lengths[0], self.lengths[1]
@@ -217,8 +215,7 @@ class StaticTurboQuantLayer(CacheLayerMixin):
         if overflow > 0:
             for store, x, mean, name in ((self.key_store, pending_k, self.key_mean, "key_states"),
                                          (self.value_store, pending_v, self.value_mean, "value_states")):
-                store.length = codes_end - self.sinks
-                store.append(x[:, :, :overflow], mean, None, name)
+                store.append(x[:, :, :overflow], mean, None, name)  # at codes_end − sinks: self.handle set length
             codes_end += overflow
         keep = min(pending_k.shape[2], self.window)
         if keep:
