@@ -40,7 +40,7 @@ from tqvec.packing import Layout
 
 from .launch import Launcher, cdiv, pow2
 from .ops import MIN_BLOCK_D, interpreting, segment_args
-from .unpack import nibble_pair_asm, nibble_pairs, segment_values
+from .unpack import nibble_pair_asm, nibble_pairs, row_bytes, segment_values
 
 if TYPE_CHECKING:
     from tqvec.scan import CodeTable, DecodeAttention
@@ -61,9 +61,7 @@ def _values(row_ptrs, row_mask, levels_ptr, BYTE0: tl.constexpr, DIM0: tl.conste
     :func:`~.unpack.segment_values` (the second one is 0 when ``DIM1`` is 0).
     """
     if NIBBLES:
-        offs = tl.arange(0, PAD0)
-        raw = tl.load(row_ptrs[:, None] + offs[None, :], mask=row_mask[:, None] & (offs < DIM0)[None, :], other=0)
-        v0, v1 = nibble_pairs(raw, levels_ptr, ASM)
+        v0, v1 = nibble_pairs(row_bytes(row_ptrs, row_mask, 0, tl.arange(0, PAD0), DIM0), levels_ptr, ASM)
     else:
         v0 = segment_values(row_ptrs, row_mask, BYTE0, 0, levels_ptr + ROW0 * 256, DIM0, BITS0, NBYTES0, False,
                             BLOCK_N, PAD0).to(tl.float16)
