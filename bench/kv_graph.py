@@ -4,8 +4,9 @@ The model is :func:`tqvec.bench.kv_e2e.build_model`'s (a random bf16 Llama-3-8B-
 For each ``--contexts`` length (batch ``--batch``) and each cache:
 
 * ``StaticCache + sdpa (graph)``: one decode step captured with ``torch.cuda.graph`` and replayed;
-* ``StaticCache + sdpa (torch.compile)`` (``--compile``): ``torch.compile(model, mode="reduce-overhead")``, the recipe
-  transformers documents for ``StaticCache`` (CUDA graphs of inductor's fused code);
+* ``StaticCache + sdpa (torch.compile)`` (``--compile``): ``torch.compile(model, mode="reduce-overhead",
+  fullgraph=True, dynamic=False)``, the recipe transformers documents for ``StaticCache`` and its ``CompileConfig``
+  defaults (CUDA graphs of inductor's fused code);
 * ``StaticTurboQuantCache --bits + tqvec (graph)``: one decode step captured with ``torch.cuda.graph`` and replayed;
 * ``StaticTurboQuantCache --bits + tqvec (torch.compile)`` (``--compile-tqvec``): the same ``torch.compile`` recipe
   (the step's writes and attention are custom operators, ``tqvec.kv.static_ops``);
@@ -56,7 +57,7 @@ def measure(model, cache, context: int, batch: int, steps: int, mode: str) -> di
     """One run (see the module docstring): ``mode`` is ``"eager"``, ``"graph"`` or ``"compile"``."""
     gen = torch.Generator("cuda").manual_seed(context)
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device="cuda", generator=gen)
-    forward = torch.compile(model, mode="reduce-overhead", fullgraph=True) if mode == "compile" else model
+    forward = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False) if mode == "compile" else model
     with torch.no_grad():
         token = model(input_ids=ids, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
         del ids

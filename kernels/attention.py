@@ -40,7 +40,7 @@ from tqvec.packing import Layout
 
 from .launch import Launcher, cdiv, pow2
 from .ops import MIN_BLOCK_D, interpreting, segment_args
-from .unpack import nibble_pair_asm, nibble_pairs, row_bytes, segment_values
+from .unpack import nibble_pairs, row_bytes, segment_values, table_nibble_pair_asm
 
 if TYPE_CHECKING:
     from tqvec.scan import CodeTable, DecodeAttention
@@ -295,6 +295,8 @@ def _memo(key: tuple, anchors: tuple, make: Callable[[], T]) -> T:
         hit = _MEMO[key] = (anchors, make())
         while len(_MEMO) > 64:
             _MEMO.popitem(last=False)
+    else:
+        _MEMO.move_to_end(key)
     return hit[1]
 
 
@@ -304,9 +306,23 @@ def _in_kernel_order(matrix: torch.Tensor, layout: Layout, dim: int) -> torch.Te
                  lambda: matrix.index_select(dim, channel_order(layout).to(matrix.device)).half().contiguous())
 
 
+def prepare(a: DecodeAttention) -> None:
+    """Make now what :func:`split` caches for ``a``: its rotation matrices in kernel channel order (float16), its tables'
+    PTX decoders (which read the levels on the host).
+
+    A static cache calls it when it allocates its buffers: under ``torch.compile(mode="reduce-overhead")`` a decode
+    step is recorded into a CUDA graph, whose memory pool must not hold tensors that outlive the step (cudagraph trees
+    refuse them) and during whose capture nothing may be copied to the host: nothing the step caches may be made then.
+    The rest of :func:`split`'s per-call setup is host arithmetic."""
+    _in_kernel_order(a.key_rotation, a.keys.table.layout, 1)
+    _in_kernel_order(a.value_back, a.values.table.layout, 0)
+    for table in (a.keys.table, a.values.table):
+        table_nibble_pair_asm(table)
+
+
 def _asm(table: CodeTable, prefix: str, use: bool) -> dict[str, str]:
     """``{prefix}_ASM``: :func:`~.unpack.nibble_pair_asm` for a nibble-split layout, else ``""``."""
-    return {f"{prefix}_ASM": nibble_pair_asm(table.levels[0]) if use and _nibble_split(table.layout) else ""}
+    return {f"{prefix}_ASM": table_nibble_pair_asm(table) if use and _nibble_split(table.layout) else ""}
 
 
 @functools.lru_cache(maxsize=64)

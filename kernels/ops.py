@@ -58,7 +58,7 @@ from .graphs import GraphCache, capture_graph
 from .int8_stage import decode_kernel, group_max_kernel
 from .launch import cdiv, pow2
 from .scan_kernel import half_queries_kernel, matvec_kernel, refine_kernel, tile_kernel
-from .unpack import nibble_pair_asm
+from .unpack import table_nibble_pair_asm
 
 __all__ = ["SearchSettings", "capture_graph", "clear_graphs", "configured", "encode", "scores", "search", "settings"]
 
@@ -397,14 +397,9 @@ def _refine(
 
 
 def _permute_asm(table: CodeTable, enabled: bool) -> str:
-    """:func:`~.unpack.nibble_pair_asm` of ``table``'s levels for the float16 search stages (cached on the table):
-    ``""`` unless ``enabled`` (a :class:`SearchSettings` switch), the layout is one 4-bit segment with a symmetric
-    codebook and the kernels are compiled (not interpreted)."""
-    key = "tqvec.kernels.permute_asm"
-    if key not in table._luts:
-        segments = table.layout.segments
-        table._luts[key] = nibble_pair_asm(table.levels[0]) if len(segments) == 1 and segments[0][1] == 4 else ""
-    return table._luts[key] if enabled and not interpreting() else ""
+    """:func:`~.unpack.table_nibble_pair_asm` for the float16 search stages: ``""`` unless ``enabled`` (a
+    :class:`SearchSettings` switch) and the kernels are compiled (not interpreted)."""
+    return table_nibble_pair_asm(table) if enabled and not interpreting() else ""
 
 
 def _launch_matvec(

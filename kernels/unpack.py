@@ -6,9 +6,14 @@ stream bits ``[j*BITS, (j+1)*BITS)``, least significant bit first.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
+
+if TYPE_CHECKING:
+    from tqvec.scan import CodeTable
 
 
 @triton.jit
@@ -254,3 +259,15 @@ def nibble_pairs(raw, levels_ptr, ASM: tl.constexpr):
         low = tl.load(levels_ptr + (code & 15)).to(tl.float16)
         high = tl.load(levels_ptr + (code >> 4)).to(tl.float16)
     return low, high
+
+
+def table_nibble_pair_asm(table: CodeTable) -> str:
+    """:func:`nibble_pair_asm` of ``table``'s levels, cached on the table; ``""`` unless its layout is one 4-bit segment.
+
+    The first call reads the levels on the host, which CUDA graph capture forbids: code that a graph may record calls
+    it beforehand (:func:`tqvec.kernels.attention.prepare`)."""
+    key = "tqvec.kernels.nibble_pair_asm"
+    if key not in table._luts:
+        segments = table.layout.segments
+        table._luts[key] = nibble_pair_asm(table.levels[0]) if len(segments) == 1 and segments[0][1] == 4 else ""
+    return table._luts[key]

@@ -13,7 +13,8 @@ import torch
 pytest.importorskip("transformers")
 
 from kv_models import tiny_llama  # noqa: E402 (tests/support)
-from transformers import DynamicCache  # noqa: E402
+from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
+from transformers import CompileConfig, DynamicCache  # noqa: E402
 
 from tqvec.kv import StaticTurboQuantCache, StaticTurboQuantLayer, TurboQuantCache  # noqa: E402
 from tqvec.kv.attention import compressed_attention, static_decode_step  # noqa: E402
@@ -68,6 +69,62 @@ def test_generate_with_left_padding_equals_the_dynamic_cache(model) -> None:
                               pad_token_id=0)
     assert torch.equal(out, ref)
     assert torch.equal(out8, full)  # 8-bit codes: DynamicCache's greedy tokens (a pad read as a token would change them)
+
+
+def test_generate_compiles_decode_steps_like_static_cache(model) -> None:
+    """The layers are compileable, so generate() compiles their decode steps with its compile_config (transformers does
+    that on GPUs by itself; _compile_all_devices lets it here): one compiled graph serves two caches, and the tokens
+    equal eager generation's."""
+    ids = torch.randint(1, 64, (2, 30), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :11] = 0
+    ids[1, :11] = 0
+    graphs = []
+
+    def backend(graph, example_inputs):  # a function: generate() deep-copies its compile_config
+        graphs.append(graph)
+        return torch._dynamo.lookup_backend("aot_eager")(graph, example_inputs)
+
+    config = CompileConfig(backend=backend, fullgraph=True, mode=None)
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    with torch.no_grad():
+        runs = [model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0,
+                               cache=_pair(model)[1], **options)
+                for options in ({"disable_compile": True}, {"compile_config": config}, {"compile_config": config})]
+    assert len(graphs) == 1
+    assert torch.equal(runs[1], runs[0]) and torch.equal(runs[2], runs[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_reduce_overhead_steps_on_cuda() -> None:
+    """torch.compile(mode="reduce-overhead") on CUDA: steps recorded into CUDA graphs by cudagraph trees (which refuse
+    a step that creates tensors outliving it: the layer makes its constants when it allocates its buffers) give the
+    eager steps' logits, for two caches with one compilation; generate() compiles on its own and completes."""
+    cuda_model = tiny_llama().cuda()
+    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(7)).cuda()
+    follow = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(8)).cuda()
+
+    def steps(forward) -> torch.Tensor:
+        _, static = _pair(cuda_model)
+        with torch.no_grad():
+            cuda_model(input_ids=ids, cache=static)
+            logits = [forward(input_ids=follow[:, t:t + 1], cache=static).logits.clone() for t in range(16)]
+        assert int(static.get_seq_length()) == 56
+        return torch.stack(logits)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(cuda_model, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    eager = steps(cuda_model)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    first, second = steps(compiled), steps(compiled)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
+    torch.testing.assert_close(first, eager, rtol=0, atol=1e-4)
+    torch.testing.assert_close(second, eager, rtol=0, atol=1e-4)
+    with torch.no_grad():
+        out = cuda_model.generate(input_ids=ids, max_new_tokens=12, do_sample=False, cache=_pair(cuda_model)[1],
+                                  pad_token_id=0)
+    assert out.shape == (2, 52)
 
 
 def test_8bit_logits_track_the_full_cache(model) -> None:
@@ -139,10 +196,15 @@ def test_compiled_decode_steps_equal_eager_steps(model) -> None:
         return torch.stack(out), static.layers[0].lengths.tolist()
 
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=False)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=False)
     (eager, eager_lengths), (traced, traced_lengths) = steps(model), steps(compiled)
     assert traced_lengths == eager_lengths == [52, 52 - WINDOW - 1]
     torch.testing.assert_close(traced, eager, rtol=0, atol=1e-6)
+    compiled_frames = counter.frame_count
+    again, _ = steps(compiled)  # a new cache built with the same arguments: the same compiled step
+    assert counter.frame_count == compiled_frames == 1
+    torch.testing.assert_close(again, eager, rtol=0, atol=1e-6)
 
 
 def test_bad_arguments_are_refused(model) -> None:

@@ -197,6 +197,20 @@ def static_decode_step(handle: StaticKV, query: torch.Tensor, mask: torch.Tensor
         valid=layer.all_valid if mask is None else mask[:, 0, 0, :].expand(b, -1), ring=layer.lengths)
 
 
+def prepare_static_step(layer: StaticTurboQuantLayer) -> None:
+    """Make, eagerly, every per-device constant a CUDA one-token step of ``layer`` reads and caches: the rotation
+    matrices, the decode kernel's copies of them (:func:`tqvec.kernels.attention.prepare`), the code and boundary
+    tables. ``torch.compile(mode="reduce-overhead")`` records steps into CUDA graphs, whose memory pool must not hold
+    tensors that outlive a step (cudagraph trees refuse them); :meth:`StaticTurboQuantLayer.lazy_initialization
+    <tqvec.kv.static.StaticTurboQuantLayer.lazy_initialization>` calls this on CUDA."""
+    from ..kernels import attention as kernel  # noqa: PLC0415 - Triton is optional
+
+    b, h, _, d = layer.ring_keys.shape
+    kernel.prepare(static_decode_step(StaticKV(layer), layer.ring_keys.new_empty((b, h, 1, d)), None, 1.0))
+    for codec in (layer.key_codec, layer.value_codec):
+        codec.groups[0].quantizer.boundary_table(layer.device)
+
+
 def static_attention(layer: StaticTurboQuantLayer, query: torch.Tensor, mask: torch.Tensor | None,
                      scaling: float) -> torch.Tensor:
     """Output ``(b, hq, 1, d)`` in ``query``'s dtype of a one-token step over a static cache's layer (after the step's

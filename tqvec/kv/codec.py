@@ -46,6 +46,8 @@ class HeadCodec:
         checks.check_int("head_dim", head_dim, 1)
         bits = checks.check_bits("bits", bits)
         self.head_dim, self.bits, self.mode = head_dim, float(bits), mode
+        #: the construction arguments: codecs of equal ``spec`` code alike
+        self.spec = (head_dim, float(bits), mode, bool(rescale), split, seed)
         low = math.floor(bits)
         n_high = round((bits - low) * head_dim)
         if split == "rotated" or n_high in (0, head_dim):

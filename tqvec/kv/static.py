@@ -2,11 +2,11 @@
 
 The counterpart of transformers' ``StaticCache``: every buffer is allocated at the first update for ``max_cache_len``
 tokens and later updates write into it in place, so a one-token decode step has fixed shapes, fixed addresses and no
-host synchronization, and can be captured in a CUDA graph (``torch.cuda.graph``) and replayed (docs/kv.md shows how;
-``tqvec bench kv-graph`` measures it). The step's writes and its attention are custom operators
-(:mod:`tqvec.kv.static_ops`), so ``torch.compile(model, fullgraph=True)`` traces a step in one graph (tested on the
-CPU); compiled steps are not measured on a GPU yet, so the layers say ``is_compileable = False`` and ``generate()``
-does not compile them on its own.
+host synchronization: ``generate()`` compiles such steps on a GPU (``torch.compile(mode="reduce-overhead")``, CUDA
+graphs), as it does for ``StaticCache``, and a step can also be captured by hand with ``torch.cuda.graph`` (docs/kv.md;
+``tqvec bench kv-graph`` measures both). The step's writes and its attention are custom operators
+(:mod:`tqvec.kv.static_ops`), so ``torch.compile(model, fullgraph=True)`` traces a step in one graph; the buffers are
+static addresses, and whatever a step caches is made when they are allocated (:func:`~tqvec.kv.attention.prepare_static_step`).
 
 Per full-attention layer (:class:`StaticTurboQuantLayer`), cache positions are split three ways:
 
@@ -74,9 +74,8 @@ class StaticKV:
 class StaticTurboQuantLayer(CacheLayerMixin):
     """One full-attention layer of a :class:`StaticTurboQuantCache` (see the module docstring)."""
 
-    #: False: ``generate()`` compiles a model with ``torch.compile(mode="reduce-overhead")`` on its own when its cache
-    #: says True, and that is not measured on a GPU yet for this cache; capture steps with ``torch.cuda.graph``
-    is_compileable = False
+    #: ``generate()`` compiles one-token steps with ``torch.compile(mode="reduce-overhead")`` on a GPU
+    is_compileable = True
     is_sliding = False
     is_croppable = True
 
@@ -119,7 +118,20 @@ class StaticTurboQuantLayer(CacheLayerMixin):
         self.fused = FUSED_APPEND and self.device.type == "cuda" and _fused_append_serves(self.key_codec,
                                                                                           self.value_codec)
         self.op_key = static_ops.register(self)
+        if self.device.type == "cuda":
+            from .attention import prepare_static_step  # noqa: PLC0415 - attention imports this module
+
+            prepare_static_step(self)
+        if not torch.compiler.is_compiling():  # fixed addresses: cudagraphs under torch.compile copy no buffer
+            for t in self.buffers():
+                torch._dynamo.mark_static_address(t)
         self.is_initialized = True
+
+    def spec(self) -> tuple:
+        """What a one-token step takes from the layer besides its buffers (codecs, sizes, device, kernel choice):
+        layers of equal ``spec`` are interchangeable given the buffers (:mod:`tqvec.kv.static_ops`)."""
+        return (self.key_codec.spec, self.value_codec.spec, self.max_cache_len, self.window, self.sinks, str(self.device),
+                self.fused)
 
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor the layer holds (what a one-token step writes and its attention reads), in the order

@@ -4,10 +4,12 @@
 (its buffers are a mutated argument, so compiled graphs keep the write before every read), and
 ``torch.ops.tqvec.static_attend`` returns the step's attention output over that layer. Dynamo treats both as opaque:
 it does not trace into the Triton launchers behind them (which it fails to), and a compiled graph calls them where
-the eager code would. Each names its layer by a key in a registry of live layers (a layer holds quantizers, which an
-operator cannot take as an argument) and works on the buffers it is given (:meth:`StaticTurboQuantLayer.with_buffers
+the eager code would. Each works on the buffers it is given (:meth:`StaticTurboQuantLayer.with_buffers
 <tqvec.kv.static.StaticTurboQuantLayer.with_buffers>`): a compiled graph may hand it copies of the layer's and copy
-the result back.
+the result back. What is not a buffer (quantizers, which an operator cannot take as an argument, and the layer's sizes)
+comes from a live layer of the same specification (:meth:`StaticTurboQuantLayer.spec
+<tqvec.kv.static.StaticTurboQuantLayer.spec>`), named by a key that layers of equal specification share: a compiled
+step then serves every cache built with the same arguments without recompiling.
 """
 from __future__ import annotations
 
@@ -19,27 +21,31 @@ import torch
 if TYPE_CHECKING:
     from .static import StaticTurboQuantLayer
 
-#: live layers by key (:func:`register`); an entry goes with its layer
-_LAYERS: weakref.WeakValueDictionary[int, StaticTurboQuantLayer] = weakref.WeakValueDictionary()
+#: one key per layer specification, in order of first registration
+_KEYS: dict[tuple, int] = {}
+#: the live layers of each key (:func:`register`); a layer leaves with its last reference
+_LAYERS: dict[int, weakref.WeakSet[StaticTurboQuantLayer]] = {}
 
 
 def register(layer: StaticTurboQuantLayer) -> int:
-    """The key that names ``layer`` in the operators' calls (its ``id``, valid while it lives)."""
-    _LAYERS[id(layer)] = layer
-    return id(layer)
+    """The key that names ``layer``'s specification in the operators' calls (the same for every layer of an equal
+    :meth:`~tqvec.kv.static.StaticTurboQuantLayer.spec`)."""
+    key = _KEYS.setdefault(layer.spec(), len(_KEYS))
+    _LAYERS.setdefault(key, weakref.WeakSet()).add(layer)
+    return key
 
 
 def _layer(key: int) -> StaticTurboQuantLayer:
-    layer = _LAYERS.get(key)
-    if layer is None:
-        raise RuntimeError("a static cache operator was called for a layer that no longer exists")
-    return layer
+    """A live layer registered under ``key`` (any: they differ only in their buffers, which the operators are given)."""
+    for layer in _LAYERS.get(key, ()):
+        return layer
+    raise RuntimeError("a static cache operator was called for a layer that no longer exists")
 
 
 @torch.library.custom_op("tqvec::static_append", mutates_args=("buffers",))
 def static_append(key: torch.Tensor, value: torch.Tensor, buffers: list[torch.Tensor], layer: int) -> None:
-    """Write one token's ``key`` / ``value`` ``(b, h, 1, d)`` into the layer named ``layer``; ``buffers`` are that
-    layer's buffers (:meth:`StaticTurboQuantLayer.buffers`), which the write changes in place."""
+    """Write one token's ``key`` / ``value`` ``(b, h, 1, d)`` into a layer of the specification named ``layer``;
+    ``buffers`` are that layer's buffers (:meth:`StaticTurboQuantLayer.buffers`), which the write changes in place."""
     _layer(layer).with_buffers(buffers).write_one(key, value)
 
 
@@ -51,8 +57,8 @@ def _(key: torch.Tensor, value: torch.Tensor, buffers: list[torch.Tensor], layer
 @torch.library.custom_op("tqvec::static_attend", mutates_args=())
 def static_attend(query: torch.Tensor, mask: torch.Tensor | None, buffers: list[torch.Tensor], layer: int,
                   scaling: float) -> torch.Tensor:
-    """Attention output ``(b, hq, 1, d)`` (``query``'s dtype) of a one-token ``query`` ``(b, hq, 1, d)`` over the layer
-    named ``layer`` (``buffers``: its buffers, read); ``mask``: boolean ``(b, 1, 1, max_cache_len)`` or None."""
+    """Attention output ``(b, hq, 1, d)`` (``query``'s dtype) of a one-token ``query`` ``(b, hq, 1, d)`` over a layer of
+    the specification named ``layer`` (``buffers``: its buffers, read); ``mask``: boolean ``(b, 1, 1, max_cache_len)`` or None."""
     from .attention import static_attention  # noqa: PLC0415 - attention imports the static cache
 
     return static_attention(_layer(layer).with_buffers(buffers), query, mask, scaling)
