@@ -337,6 +337,11 @@ def dense_attention(handle: CompressedKV, query: torch.Tensor, mask: torch.Tenso
                                                             enable_gqa=gqa)
 
 
+def _allowed(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """transformers' mask as booleans, True = attend (an additive float mask is 0 where attending)."""
+    return mask if mask is None or mask.dtype == torch.bool else mask == 0
+
+
 def tqvec_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, value, attention_mask: torch.Tensor | None,
                             scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``query`` ``(b, hq, q, d)`` → ``((b, q, hq, d), None)``."""
@@ -344,8 +349,7 @@ def tqvec_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, v
         raise ValueError("output_attentions=True: the tqvec attention does not return attention weights (it never forms "
                          "them over the compressed tokens); call the model with output_attentions=False")
     if isinstance(key, StaticKV):  # a static cache's one-token step: one custom operator (tqvec.kv.static_ops)
-        if attention_mask is not None and attention_mask.dtype != torch.bool:
-            attention_mask = attention_mask == 0
+        attention_mask = _allowed(attention_mask)
         scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
         out = torch.ops.tqvec.static_attend(query, attention_mask, key.layer.buffers(), key.layer.op_key, scaling)
         return out.transpose(1, 2).contiguous(), None
@@ -360,8 +364,7 @@ def tqvec_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, v
     if key.n_codes == 0:  # nothing compressed yet (a prefill): exact attention over sinks + window
         keys, values = torch.cat([key.sink_keys, key.keys], dim=2), torch.cat([key.sink_values, key.values], dim=2)
         return sdpa_attention_forward(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
-    if attention_mask is not None and attention_mask.dtype != torch.bool:
-        attention_mask = attention_mask == 0
+    attention_mask = _allowed(attention_mask)
     if attention_mask is not None and attention_mask.shape[-1] != key.kv_length:
         raise ValueError(f"mask covers {attention_mask.shape[-1]} keys, the cache holds {key.kv_length}")
     if query.shape[2] > 1:  # a prefill chunk or multi-token step over compressed tokens (no mask: causal)
