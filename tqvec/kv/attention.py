@@ -348,10 +348,13 @@ def tqvec_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, v
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True: the tqvec attention does not return attention weights (it never forms "
                          "them over the compressed tokens); call the model with output_attentions=False")
-    if isinstance(key, StaticKV):  # a static cache's one-token step: one custom operator (tqvec.kv.static_ops)
+    if isinstance(key, StaticKV):  # a static cache's one-token step (a custom operator when traced: tqvec.kv.static_ops)
         attention_mask = _allowed(attention_mask)
         scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
-        out = torch.ops.tqvec.static_attend(query, attention_mask, key.layer.buffers(), key.layer.op_key, scaling)
+        if torch.compiler.is_compiling():
+            out = torch.ops.tqvec.static_attend(query, attention_mask, key.layer.buffers(), key.layer.op_key, scaling)
+        else:  # eager: the operator's body without its dispatch
+            out = static_attention(key.layer, query, attention_mask, scaling)
         return out.transpose(1, 2).contiguous(), None
     if isinstance(key, CompressedKV) and attention_mask is not None and attention_mask.shape[-1] > key.kv_length \
             and isinstance(key.layer, StaticTurboQuantLayer):  # a static cache's mask spans max_cache_len positions

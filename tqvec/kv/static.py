@@ -165,7 +165,10 @@ class StaticTurboQuantLayer(CacheLayerMixin):
             raise ValueError(f"key_states {tuple(key_states.shape)} do not extend the cached (batch, heads, head_dim) "
                              f"{tuple(self.ring_keys.shape[:2])}, {self.ring_keys.shape[-1]}")
         if key_states.shape[2] == 1:
-            torch.ops.tqvec.static_append(key_states, value_states, self.buffers(), self.op_key)
+            if torch.compiler.is_compiling():
+                torch.ops.tqvec.static_append(key_states, value_states, self.buffers(), self.op_key)
+            else:  # eager: the operator's body without its dispatch (which cost more than the step's kernels)
+                self.write_one(key_states, value_states)
             handle = StaticKV(self)
             return handle, handle
         checks.check_states(key_states, value_states, self.key_codec.head_dim)
@@ -174,8 +177,8 @@ class StaticTurboQuantLayer(CacheLayerMixin):
 
     def write_one(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """One token at position ``total``, without host synchronization and with fixed shapes: three Triton launches
-        where :attr:`fused` (:mod:`tqvec.kernels.append`), else torch operations. :meth:`update` calls it through the
-        ``tqvec::static_append`` operator (:mod:`tqvec.kv.static_ops`)."""
+        where :attr:`fused` (:mod:`tqvec.kernels.append`), else torch operations. :meth:`update` calls it directly, or
+        through the ``tqvec::static_append`` operator (:mod:`tqvec.kv.static_ops`) while a graph is being traced."""
         if self.fused:
             from ..kernels import append  # noqa: PLC0415 - Triton is optional
             from .attention import _rotation_matrices  # noqa: PLC0415 - attention imports this module

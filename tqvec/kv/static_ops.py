@@ -2,7 +2,9 @@
 
 ``torch.ops.tqvec.static_append`` writes the step's key and value into a :class:`~tqvec.kv.static.StaticTurboQuantLayer`
 (its buffers are a mutated argument, so compiled graphs keep the write before every read), and
-``torch.ops.tqvec.static_attend`` returns the step's attention output over that layer. Dynamo treats both as opaque:
+``torch.ops.tqvec.static_attend`` returns the step's attention output over that layer. The cache calls them while a
+graph is being traced (``torch.compiler.is_compiling()``) and their bodies directly otherwise: eagerly, an operator's
+dispatch cost more than the step's kernels on the H200. Dynamo treats both as opaque:
 it does not trace into the Triton launchers behind them (which it fails to), and a compiled graph calls them where
 the eager code would. Each works on the buffers it is given (:meth:`StaticTurboQuantLayer.with_buffers
 <tqvec.kv.static.StaticTurboQuantLayer.with_buffers>`): a compiled graph may hand it copies of the layer's and copy
