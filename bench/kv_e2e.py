@@ -13,8 +13,9 @@ DynamicCache runs with transformers' ``sdpa`` attention, TurboQuantCache (``--bi
   bytes held.
 * ``decode``: eager greedy decode tokens/s per context, :func:`bench.kv_step.decode_ms` (one-shot prefill,
   ``E2E_WARMUP`` untimed steps, ``--new-tokens`` timed), as ``bench.kv_gpu.end_to_end`` does: DynamicCache with
-  PyTorch's default SDPA backend and with cuDNN's off (the faster is the reference), TurboQuantCache. Targets:
-  ≥ 1.0× the reference at 32k, ≥ 1.3× at 128k.
+  PyTorch's default SDPA backend and with cuDNN's off (the faster is the reference), TurboQuantCache, and at integer
+  ``--bits`` StaticTurboQuantCache with eager steps (reported beside). Targets (TurboQuantCache): ≥ 1.0× the
+  reference at 32k, ≥ 1.3× at 128k.
 * ``budget``: the longest batch-1 prompt whose ``generate()`` completes within ``--budget-gib`` beyond what is
   allocated before it (the weights), enforced by ``torch.cuda.set_per_process_memory_fraction`` (the allocator
   raises ``OutOfMemoryError`` past it). Peak is fitted as a + b·length from runs at 4 and 8 ``--length-step``, the
@@ -37,6 +38,7 @@ so parts can be run by separate invocations) and ``kv_e2e.md`` under ``--out``.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -55,7 +57,7 @@ from transformers.cache_utils import Cache
 from transformers.generation.streamers import BaseStreamer
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from tqvec.kv import TurboQuantCache
+from tqvec.kv import StaticTurboQuantCache, TurboQuantCache
 
 from .kv_cpu import cache_nbytes
 from .kv_gpu import E2E_WARMUP, HKV, HQ, RESULTS, D
@@ -292,9 +294,11 @@ def peak_part(bench: Bench, contexts: list[int], section: dict) -> None:
                 bench.save()
 
 
-def decode_part(bench: Bench, contexts: list[int], section: dict) -> None:
+def decode_part(bench: Bench, contexts: list[int], section: dict, bits: float) -> None:
     """Eager decode tokens/s per context (:func:`decode_ms`, ``E2E_WARMUP`` untimed steps): DynamicCache with the
-    default SDPA backend choice and (on CUDA) with cuDNN's off, TurboQuantCache. Rows into ``section["rows"]``."""
+    default SDPA backend choice and (on CUDA) with cuDNN's off, TurboQuantCache, and for integer ``bits``
+    StaticTurboQuantCache (its steps eager, as ``generate(disable_compile=True)`` runs them). Rows into
+    ``section["rows"]``."""
     dynamic, turbo = bench.kinds
     runs = [(dynamic, True, "default SDPA backend")]
     if bench.model.device.type == "cuda":
@@ -304,7 +308,10 @@ def decode_part(bench: Bench, contexts: list[int], section: dict) -> None:
     for context in contexts:
         ids = torch.randint(0, bench.model.config.vocab_size, (1, context), device=device,
                             generator=torch.Generator(device).manual_seed(context))
-        for kind, cudnn, variant in runs:
+        length = context + E2E_WARMUP + bench.new_tokens + 1
+        static = [] if bits != int(bits) else [(Kind(static_name(bits), "tqvec", functools.partial(
+            StaticTurboQuantCache, bench.model.config, length, int(bits), int(bits))), True, "tqvec attention, eager steps")]
+        for kind, cudnn, variant in runs + static:
             row = {"cache": kind.name, "variant": variant, "context": context}
             if not bench.deadline.allows():
                 row["skipped"] = "time limit"
@@ -452,8 +459,14 @@ def peak_checks(section: dict, dynamic: str, turbo: str) -> list[dict]:
     return out
 
 
+def static_name(bits: float) -> str:
+    """The label of StaticTurboQuantCache's rows at ``bits``."""
+    return f"StaticTurboQuantCache {bits:g}b + tqvec"
+
+
 def decode_checks(section: dict, dynamic: str, turbo: str) -> list[dict]:
-    """Per context: the faster DynamicCache variant's tokens/s, TurboQuantCache's, their ratio, target and verdict."""
+    """Per context: the faster DynamicCache variant's tokens/s, TurboQuantCache's, their ratio, target and verdict, and
+    StaticTurboQuantCache's tokens/s and ratio where it was run (None otherwise)."""
     out = []
     by_context: dict[int, list[dict]] = {}
     for r in section.get("rows", []):
@@ -466,9 +479,12 @@ def decode_checks(section: dict, dynamic: str, turbo: str) -> list[dict]:
             continue
         ratio = tq["tokens_per_s"] / ref["tokens_per_s"]
         target = DECODE_TARGETS.get(context)
+        static = next((r for r in rows if r["cache"].startswith("StaticTurboQuantCache")), None)
         out.append({"context": context, "reference": ref["variant"], "reference_tokens_per_s": ref["tokens_per_s"],
                     "turbo_tokens_per_s": tq["tokens_per_s"], "ratio": ratio, "target": target,
-                    "pass": None if target is None else ratio >= target})
+                    "pass": None if target is None else ratio >= target,
+                    "static_tokens_per_s": None if static is None else static["tokens_per_s"],
+                    "static_ratio": None if static is None else static["tokens_per_s"] / ref["tokens_per_s"]})
     return out
 
 
@@ -579,10 +595,11 @@ def markdown(data: dict) -> str:
         out += [f"| {r['cache']} | {r['variant']} | {r['context']} | skipped ({r['skipped']}) |  |  |" if "skipped" in r else
                 f"| {r['cache']} | {r['variant']} | {r['context']} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | "
                 f"{_gib(r['cache_bytes'])} |" for r in s["rows"]]
-        out += ["", "| context | reference (DynamicCache) | its tokens/s | TurboQuantCache tokens/s | ratio | target | pass |",
-                "|---|---|---|---|---|---|---|"]
+        out += ["", "| context | reference (DynamicCache) | its tokens/s | TurboQuantCache tokens/s | ratio | target | pass | "
+                "StaticTurboQuantCache (eager) tokens/s | its ratio |", "|---|---|---|---|---|---|---|---|---|"]
         out += [f"| {c['context']} | {c['reference']} | {c['reference_tokens_per_s']:.1f} | {c['turbo_tokens_per_s']:.1f} | "
-                f"{c['ratio']:.2f}× | {_target(c['target'])} | {_verdict(c['pass'])} |"
+                f"{c['ratio']:.2f}× | {_target(c['target'])} | {_verdict(c['pass'])} | {_num(c.get('static_tokens_per_s'))} | "
+                f"{'—' if c.get('static_ratio') is None else format(c['static_ratio'], '.2f') + '×'} |"
                 for c in s.get("checks", [])]
         out.append("")
     for name, title, unit, scale in (("budget", "Longest prompt in the budget, batch 1", "KiB/token", 2 ** 10),
@@ -713,7 +730,7 @@ def main(argv: list[str] | None = None) -> None:
         if name == "peak":
             peak_part(bench, contexts, section)
         elif name == "decode":
-            decode_part(bench, contexts, section)
+            decode_part(bench, contexts, section, args.bits)
         elif device.type != "cuda":
             section["skipped"] = "needs CUDA (the budget is enforced by the CUDA caching allocator)"
             print(f"part {name} skipped: {section['skipped']}", flush=True)

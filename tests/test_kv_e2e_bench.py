@@ -34,7 +34,9 @@ def test_tiny_cpu_run_writes_reports_and_keeps_parts(tmp_path: Path) -> None:
     (check,) = peak["checks"]
     assert check["context"] == 512 and check["pass"] is None  # no memory figures on the CPU
     (speed,) = parts["decode"]["checks"]
-    assert speed["ratio"] > 0 and speed["target"] is None
+    assert speed["ratio"] > 0 and speed["target"] is None and speed["static_ratio"] > 0
+    assert [r["cache"] for r in parts["decode"]["rows"]] == ["DynamicCache + sdpa", "TurboQuantCache 4b + tqvec",
+                                                             "StaticTurboQuantCache 4b + tqvec"]
     assert "needs CUDA" in parts["budget"]["skipped"] and "needs CUDA" in parts["batch"]["skipped"]
     md = (tmp_path / "kv_e2e.md").read_text()
     for heading in ("## Peak memory", "## Eager decode", "## Longest prompt", "## Largest batch"):
