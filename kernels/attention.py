@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakIdKeyDictionary
 
 from tqvec.packing import Layout
 
@@ -285,6 +286,8 @@ def channel_order(layout: Layout) -> torch.Tensor:
 SPLIT = Launcher(split_kernel)
 COMBINE = Launcher(combine_kernel)
 _MEMO: OrderedDict[tuple, tuple[tuple, object]] = OrderedDict()
+#: :func:`_in_kernel_order`'s copies, by source matrix (identity) and (layout, axis)
+_KERNEL_ORDER: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _memo(key: tuple, anchors: tuple, make: Callable[[], T]) -> T:
@@ -301,9 +304,12 @@ def _memo(key: tuple, anchors: tuple, make: Callable[[], T]) -> T:
 
 
 def _in_kernel_order(matrix: torch.Tensor, layout: Layout, dim: int) -> torch.Tensor:
-    """``matrix`` as float16 with its rotated-channel axis ``dim`` in :func:`channel_order` (cached per tensor)."""
-    return _memo(("order", id(matrix), matrix.device, layout, dim), (matrix,),
-                 lambda: matrix.index_select(dim, channel_order(layout).to(matrix.device)).half().contiguous())
+    """``matrix`` as float16 with its rotated-channel axis ``dim`` in :func:`channel_order`, cached while ``matrix``
+    lives (never evicted before: a CUDA graph that recorded a step holds the copy's address)."""
+    copies = _KERNEL_ORDER.setdefault(matrix, {})
+    if (layout, dim) not in copies:
+        copies[layout, dim] = matrix.index_select(dim, channel_order(layout).to(matrix.device)).half().contiguous()
+    return copies[layout, dim]
 
 
 def prepare(a: DecodeAttention) -> None:
@@ -313,7 +319,8 @@ def prepare(a: DecodeAttention) -> None:
     A static cache calls it when it allocates its buffers: under ``torch.compile(mode="reduce-overhead")`` a decode
     step is recorded into a CUDA graph, whose memory pool must not hold tensors that outlive the step (cudagraph trees
     refuse them) and during whose capture nothing may be copied to the host: nothing the step caches may be made then.
-    The rest of :func:`split`'s per-call setup is host arithmetic."""
+    The rest of :func:`split`'s setup is host arithmetic (constants cached per configuration) and the step's own work
+    buffer, which a graph records as such."""
     _in_kernel_order(a.key_rotation, a.keys.table.layout, 1)
     _in_kernel_order(a.value_back, a.values.table.layout, 0)
     for table in (a.keys.table, a.values.table):

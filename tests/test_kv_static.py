@@ -7,6 +7,8 @@ encodes the token leaving its window before attending, the dynamic one after: ``
 """
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -127,6 +129,31 @@ def test_reduce_overhead_steps_on_cuda() -> None:
     assert out.shape == (2, 52)
 
 
+@pytest.mark.slow  # ~20 s: dynamo compiles the model around every eager update of the chunks
+def test_chunked_prompt_under_compile_config(model) -> None:
+    """With compile_config, generate() also runs a chunked prompt's chunks through the compiled model: the static
+    cache's multi-token updates and their attention run eagerly inside it (torch.compiler.disable), so the tokens equal
+    eager generation's."""
+    ids = torch.randint(1, 64, (2, 30), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    ids[1, :5] = 0
+    graphs = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return torch._dynamo.lookup_backend("aot_eager")(graph, example_inputs)
+
+    config = CompileConfig(backend=backend, mode=None)
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager, compiled = (model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                                          pad_token_id=0, prefill_chunk_size=8, cache=_pair(model)[1], **options)
+                           for options in ({"disable_compile": True}, {"compile_config": config}))
+    assert graphs and torch.equal(compiled, eager)
+
+
 def test_8bit_logits_track_the_full_cache(model) -> None:
     """8-bit codes: logits within 0.05 of DynamicCache's over 30 steps (measured: 0.004 on this model; a token read from
     the wrong slot moves them by whole units)."""
@@ -205,6 +232,28 @@ def test_compiled_decode_steps_equal_eager_steps(model) -> None:
     again, _ = steps(compiled)  # a new cache built with the same arguments: the same compiled step
     assert counter.frame_count == compiled_frames == 1
     torch.testing.assert_close(again, eager, rtol=0, atol=1e-6)
+
+    def started() -> tuple[StaticTurboQuantCache, torch.Tensor]:
+        _, static = _pair(model)
+        with torch.no_grad():
+            return static, model(input_ids=ids, attention_mask=prompt_mask, cache=static).logits
+
+    (first, logits_a), (second, logits_b) = started(), started()  # two live caches, stepped in turn, then one dropped
+    assert first.layers[0].key_codec is second.layers[0].key_codec  # one specification, one codec object
+    outs_a, outs_b = [], []
+    with torch.no_grad():
+        for t in range(12):
+            if t < 6:
+                logits_a = compiled(input_ids=logits_a[:, -1:].argmax(-1), attention_mask=step_mask, cache=first).logits
+                outs_a.append(logits_a)
+            elif t == 6:
+                del first
+                gc.collect()
+            logits_b = compiled(input_ids=logits_b[:, -1:].argmax(-1), attention_mask=step_mask, cache=second).logits
+            outs_b.append(logits_b)
+    assert counter.frame_count == 1
+    torch.testing.assert_close(torch.stack(outs_a), eager[:6], rtol=0, atol=1e-6)
+    torch.testing.assert_close(torch.stack(outs_b), eager, rtol=0, atol=1e-6)
 
 
 def test_bad_arguments_are_refused(model) -> None:

@@ -356,11 +356,19 @@ def tqvec_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, v
         else:  # eager: the operator's body without its dispatch
             out = static_attention(key.layer, query, attention_mask, scaling)
         return out.transpose(1, 2).contiguous(), None
-    if isinstance(key, CompressedKV) and attention_mask is not None and attention_mask.shape[-1] > key.kv_length \
-            and isinstance(key.layer, StaticTurboQuantLayer):  # a static cache's mask spans max_cache_len positions
-        attention_mask = attention_mask[..., :key.kv_length]
     if not isinstance(key, CompressedKV):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if isinstance(key.layer, StaticTurboQuantLayer):  # a static cache's multi-token update: eager, also when compiled
+        if attention_mask is not None and attention_mask.shape[-1] > key.kv_length:  # it spans max_cache_len positions
+            attention_mask = attention_mask[..., :key.kv_length]
+        return _eager_compressed_forward(module, query, key, attention_mask, scaling, dropout, **kwargs)
+    return _compressed_forward(module, query, key, attention_mask, scaling, dropout, **kwargs)
+
+
+def _compressed_forward(module: torch.nn.Module, query: torch.Tensor, key: CompressedKV,
+                        attention_mask: torch.Tensor | None, scaling: float | None, dropout: float,
+                        **kwargs) -> tuple[torch.Tensor, None]:
+    """:func:`tqvec_attention_forward` over a :class:`~tqvec.kv.cache.CompressedKV` handle."""
     if dropout:
         raise ValueError("tqvec attention is inference-only (dropout must be 0)")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -377,6 +385,11 @@ def tqvec_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, v
     else:
         out = compressed_attention(key, query, attention_mask, scaling).to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
+
+
+#: :func:`_compressed_forward` run eagerly inside a compiled model (it reads lengths on the host and launches Triton
+#: kernels that dynamo does not trace): a static cache's prompt chunks under generate()'s compilation
+_eager_compressed_forward = torch.compiler.disable(_compressed_forward)
 
 
 def tqvec_mask(*args, **kwargs) -> torch.Tensor | None:

@@ -2,8 +2,8 @@
 
 The counterpart of transformers' ``StaticCache``: every buffer is allocated at the first update for ``max_cache_len``
 tokens and later updates write into it in place, so a one-token decode step has fixed shapes, fixed addresses and no
-host synchronization: ``generate()`` compiles such steps on a GPU (``torch.compile(mode="reduce-overhead")``, CUDA
-graphs), as it does for ``StaticCache``, and a step can also be captured by hand with ``torch.cuda.graph`` (docs/kv.md;
+host synchronization: ``generate()`` compiles the decode steps on a GPU (``torch.compile(mode="reduce-overhead")``,
+CUDA graphs), as it does for ``StaticCache``, and a step can also be captured by hand with ``torch.cuda.graph`` (docs/kv.md;
 ``tqvec bench kv-graph`` measures both). The step's writes and its attention are custom operators
 (:mod:`tqvec.kv.static_ops`), so ``torch.compile(model, fullgraph=True)`` traces a step in one graph; the buffers are
 static addresses, and whatever a step caches is made when they are allocated (:func:`~tqvec.kv.attention.prepare_static_step`).
@@ -48,6 +48,15 @@ from .store import CodeStore
 
 #: on CUDA, run a one-token step through the fused kernels of :mod:`tqvec.kernels.append` where they serve the codecs
 FUSED_APPEND = True
+#: the codec of each specification that every static layer built with it uses (:func:`_shared`)
+_SHARED_CODECS: dict[tuple, HeadCodec] = {}
+
+
+def _shared(codec: HeadCodec) -> HeadCodec:
+    """The one codec of ``codec.spec`` (``codec`` itself if it is the first): a compiled step may run a layer's
+    buffers through another live layer of the same specification (:mod:`tqvec.kv.static_ops`), so the device constants
+    its CUDA graph records (rotations, tables) must be the same objects, alive for the life of the process."""
+    return _SHARED_CODECS.setdefault(codec.spec, codec)
 
 
 def _fused_append_serves(*codecs: HeadCodec) -> bool:
@@ -74,7 +83,8 @@ class StaticKV:
 class StaticTurboQuantLayer(CacheLayerMixin):
     """One full-attention layer of a :class:`StaticTurboQuantCache` (see the module docstring)."""
 
-    #: ``generate()`` compiles one-token steps with ``torch.compile(mode="reduce-overhead")`` on a GPU
+    #: ``generate()`` compiles the model's forward for the steps after the prompt (and for a chunked prompt's chunks)
+    #: with ``torch.compile(mode="reduce-overhead")`` on a GPU; multi-token updates run eagerly inside it
     is_compileable = True
     is_sliding = False
     is_croppable = True
@@ -89,7 +99,7 @@ class StaticTurboQuantLayer(CacheLayerMixin):
             if len(codec.groups) != 1 or codec.mode != "mse":
                 raise ValueError(f"a static cache takes integer {name} bits and mse codes, got {codec.bits:g} bits, "
                                  f"{codec.mode}")
-        self.key_codec, self.value_codec = key_codec, value_codec
+        self.key_codec, self.value_codec = _shared(key_codec), _shared(value_codec)
         self.max_cache_len, self.window, self.sinks = int(max_cache_len), int(window), int(sinks)
         self.key_perm = self.value_perm = None  # one channel group: no channel order (read by the shared attention)
 
@@ -207,9 +217,11 @@ class StaticTurboQuantLayer(CacheLayerMixin):
             buffer.index_copy_(2, slot, torch.where(in_window, x, occupant))
         self.lengths.copy_(torch.stack([total + 1, codes_end + evict.long()]))
 
+    @torch.compiler.disable
     def _append_many(self, keys: torch.Tensor, values: torch.Tensor) -> CompressedKV:
-        """Several tokens (eager; reads the lengths on the host): sinks first, then the window; what leaves the window
-        is compressed. Returns the handle of the codes before this call plus the exact tokens."""
+        """Several tokens (eager, also inside a compiled model: it reads the lengths on the host and encodes with
+        Triton kernels that dynamo does not trace): sinks first, then the window; what leaves the window is
+        compressed. Returns the handle of the codes before this call plus the exact tokens."""
         total, codes_end = self.lengths.tolist()
         t = keys.shape[2]
         if total + t > self.max_cache_len:
@@ -369,4 +381,4 @@ class StaticTurboQuantCache(CodedCache):
                   else STATIC_LAYER_TYPE_MAPPING[kind](max_cache_len=max_cache_len, **kw)
                   for kind, kw in zip(layer_types, layer_kwargs)]
         super().__init__(layers=layers)
-        self.key_codec, self.value_codec = key_codec, value_codec
+        self.key_codec, self.value_codec = _shared(key_codec), _shared(value_codec)

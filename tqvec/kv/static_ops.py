@@ -10,11 +10,12 @@ the eager code would. Each works on the buffers it is given (:meth:`StaticTurboQ
 <tqvec.kv.static.StaticTurboQuantLayer.with_buffers>`): a compiled graph may hand it copies of the layer's and copy
 the result back. What is not a buffer (quantizers, which an operator cannot take as an argument, and the layer's sizes)
 comes from a live layer of the same specification (:meth:`StaticTurboQuantLayer.spec
-<tqvec.kv.static.StaticTurboQuantLayer.spec>`), named by a key that layers of equal specification share: a compiled
-step then serves every cache built with the same arguments without recompiling.
+<tqvec.kv.static.StaticTurboQuantLayer.spec>`; such layers share their codec objects), named by a key that layers of
+equal specification share: a compiled step then serves every cache built with the same arguments without recompiling.
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import TYPE_CHECKING
 
@@ -23,8 +24,9 @@ import torch
 if TYPE_CHECKING:
     from .static import StaticTurboQuantLayer
 
-#: one key per layer specification, in order of first registration
+#: one key per layer specification, in order of first registration (under _LOCK)
 _KEYS: dict[tuple, int] = {}
+_LOCK = threading.Lock()
 #: the live layers of each key (:func:`register`); a layer leaves with its last reference
 _LAYERS: dict[int, weakref.WeakSet[StaticTurboQuantLayer]] = {}
 
@@ -32,14 +34,16 @@ _LAYERS: dict[int, weakref.WeakSet[StaticTurboQuantLayer]] = {}
 def register(layer: StaticTurboQuantLayer) -> int:
     """The key that names ``layer``'s specification in the operators' calls (the same for every layer of an equal
     :meth:`~tqvec.kv.static.StaticTurboQuantLayer.spec`)."""
-    key = _KEYS.setdefault(layer.spec(), len(_KEYS))
-    _LAYERS.setdefault(key, weakref.WeakSet()).add(layer)
+    with _LOCK:
+        key = _KEYS.setdefault(layer.spec(), len(_KEYS))
+        _LAYERS.setdefault(key, weakref.WeakSet()).add(layer)
     return key
 
 
 def _layer(key: int) -> StaticTurboQuantLayer:
-    """A live layer registered under ``key`` (any: they differ only in their buffers, which the operators are given)."""
-    for layer in _LAYERS.get(key, ()):
+    """A live layer registered under ``key`` (any: layers of one specification share their codecs and differ only in
+    their buffers, which the operators are given)."""
+    for layer in list(_LAYERS.get(key, ())):
         return layer
     raise RuntimeError("a static cache operator was called for a layer that no longer exists")
 
