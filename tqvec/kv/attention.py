@@ -155,11 +155,21 @@ def decode_step(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor | 
     tokens, which :func:`tqvec_attention_forward` sends to :func:`dense_attention`; one-token steps with QJL keys, or
     with channel groups on CUDA, which run :func:`compressed_attention`'s per-head path)."""
     layer = handle.layer
-    b, hq, q_len, d = query.shape
     codecs = (layer.key_codec, layer.value_codec)
     grouped = any(len(c.groups) != 1 for c in codecs)
-    if q_len != 1 or handle.n_codes == 0 or any(c.mode != "mse" for c in codecs) or (grouped and query.is_cuda):
+    if query.shape[2] != 1 or handle.n_codes == 0 or any(c.mode != "mse" for c in codecs) or (grouped and query.is_cuda):
         return None
+    return _decode_attention(handle, query, None if mask is None else mask[:, 0, 0, :].expand(query.shape[0], -1),
+                             scaling)
+
+
+def _decode_attention(handle: CompressedKV, query: torch.Tensor, valid: torch.Tensor | None, scaling: float,
+                      ring: torch.Tensor | None = None) -> scan.DecodeAttention:
+    """The :class:`tqvec.scan.DecodeAttention` of one query token over ``handle``'s tokens: the first channel group's
+    codes, the others as segments; ``valid`` ``(b, kv_length)`` or None; ``ring`` as :class:`tqvec.scan.DecodeAttention`
+    takes it."""
+    layer = handle.layer
+    b, hq, _, d = query.shape
     h_kv = handle.keys.shape[1]
     k_fwd, _ = _codec_rotations(layer.key_codec, layer.key_perm, query.device)
     _, v_back = _codec_rotations(layer.value_codec, layer.value_perm, query.device)
@@ -172,7 +182,7 @@ def decode_step(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor | 
         keys=keys[0], values=values[0], n_codes=handle.n_codes, key_segments=tuple(keys[1:]),
         value_segments=tuple(values[1:]),
         key_mean=layer.key_mean, value_mean=layer.value_mean, sink_keys=handle.sink_keys, sink_values=handle.sink_values,
-        window_keys=handle.keys, window_values=handle.values, valid=None if mask is None else mask[:, 0, 0, :].expand(b, -1))
+        window_keys=handle.keys, window_values=handle.values, valid=valid, ring=ring)
 
 
 def static_decode_step(handle: StaticKV, query: torch.Tensor, mask: torch.Tensor | None,
@@ -183,18 +193,9 @@ def static_decode_step(handle: StaticKV, query: torch.Tensor, mask: torch.Tensor
     ``(b, 1, 1, max_cache_len)`` or None (then the layer's all-True row: the kernel's specialization does not depend on
     whether transformers made a mask, which it does while a CUDA graph is being captured)."""
     layer = handle.layer
-    b, hq, _, d = query.shape
-    h_kv = layer.ring_keys.shape[1]
-    k_fwd, _ = _codec_rotations(layer.key_codec, None, query.device)
-    _, v_back = _codec_rotations(layer.value_codec, None, query.device)
-    coded = lambda store: scan.CodedHeads(  # noqa: E731
-        store.fields[0]["packed"], store.fields[0]["scales"], store.codec.groups[0].quantizer.table(query.device))
-    return scan.DecodeAttention(
-        queries=query.reshape(b, h_kv, hq // h_kv, d), scaling=scaling, key_rotation=k_fwd, value_back=v_back,
-        keys=coded(layer.key_store), values=coded(layer.value_store), n_codes=layer.capacity, key_mean=layer.key_mean,
-        value_mean=layer.value_mean, sink_keys=layer.sink_keys, sink_values=layer.sink_values,
-        window_keys=layer.ring_keys, window_values=layer.ring_values,
-        valid=layer.all_valid if mask is None else mask[:, 0, 0, :].expand(b, -1), ring=layer.lengths)
+    whole = CompressedKV(layer, layer.sink_keys, layer.sink_values, layer.capacity, layer.ring_keys, layer.ring_values)
+    valid = layer.all_valid if mask is None else mask[:, 0, 0, :].expand(query.shape[0], -1)
+    return _decode_attention(whole, query, valid, scaling, ring=layer.lengths)
 
 
 def prepare_static_step(layer: StaticTurboQuantLayer) -> None:
