@@ -66,6 +66,8 @@ from .kv_step import decode_ms
 PARTS = ("peak", "decode", "budget", "batch")
 #: TurboQuantCache's generate() peak must stay at or under DynamicCache's minus this fraction of its K/V bytes
 PEAK_SAVING = 0.6
+#: the label that StaticTurboQuantCache's decode rows start with
+STATIC_LABEL = "StaticTurboQuantCache"
 #: decode speed targets, TurboQuantCache / the faster DynamicCache, by context (other contexts have none)
 DECODE_TARGETS = {32768: 1.0, 131072: 1.3}
 #: longest prompt and largest batch in the budget: TurboQuantCache ≥ this × DynamicCache
@@ -309,7 +311,7 @@ def decode_part(bench: Bench, contexts: list[int], section: dict, bits: float) -
         ids = torch.randint(0, bench.model.config.vocab_size, (1, context), device=device,
                             generator=torch.Generator(device).manual_seed(context))
         length = context + E2E_WARMUP + bench.new_tokens + 1
-        static = [] if bits != int(bits) else [(Kind(static_name(bits), "tqvec", functools.partial(
+        static = [] if bits != int(bits) else [(Kind(f"{STATIC_LABEL} {bits:g}b + tqvec", "tqvec", functools.partial(
             StaticTurboQuantCache, bench.model.config, length, int(bits), int(bits))), True, "tqvec attention, eager steps")]
         for kind, cudnn, variant in runs + static:
             row = {"cache": kind.name, "variant": variant, "context": context}
@@ -459,11 +461,6 @@ def peak_checks(section: dict, dynamic: str, turbo: str) -> list[dict]:
     return out
 
 
-def static_name(bits: float) -> str:
-    """The label of StaticTurboQuantCache's rows at ``bits``."""
-    return f"StaticTurboQuantCache {bits:g}b + tqvec"
-
-
 def decode_checks(section: dict, dynamic: str, turbo: str) -> list[dict]:
     """Per context: the faster DynamicCache variant's tokens/s, TurboQuantCache's, their ratio, target and verdict, and
     StaticTurboQuantCache's tokens/s and ratio where it was run (None otherwise)."""
@@ -479,7 +476,7 @@ def decode_checks(section: dict, dynamic: str, turbo: str) -> list[dict]:
             continue
         ratio = tq["tokens_per_s"] / ref["tokens_per_s"]
         target = DECODE_TARGETS.get(context)
-        static = next((r for r in rows if r["cache"].startswith("StaticTurboQuantCache")), None)
+        static = next((r for r in rows if r["cache"].startswith(STATIC_LABEL)), None)
         out.append({"context": context, "reference": ref["variant"], "reference_tokens_per_s": ref["tokens_per_s"],
                     "turbo_tokens_per_s": tq["tokens_per_s"], "ratio": ratio, "target": target,
                     "pass": None if target is None else ratio >= target,

@@ -53,11 +53,31 @@ def test_decode_steps_equal_the_dynamic_cache(model) -> None:
     assert dynamic.layers[0].key_store.length == 60 - WINDOW - 1 - SINKS + 1  # dynamic: compressed after attending
 
 
-def test_generate_with_left_padding_equals_the_dynamic_cache(model) -> None:
-    ids = torch.randint(1, 64, (2, 30), generator=torch.Generator().manual_seed(2))
+def _padded_prompt(seed: int, pads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two rows of 30 tokens and their attention mask, row 1 left-padded with ``pads`` pad tokens (id 0)."""
+    ids = torch.randint(1, 64, (2, 30), generator=torch.Generator().manual_seed(seed))
     mask = torch.ones_like(ids)
-    mask[1, :11] = 0  # row 1 left-padded: its sinks and first coded positions are pads
-    ids[1, :11] = 0
+    mask[1, :pads] = 0
+    ids[1, :pads] = 0
+    return ids, mask
+
+
+def _recording_compile_config(**options) -> tuple[CompileConfig, list]:
+    """A CompileConfig for generate() on any device whose backend (aot_eager) records each graph it compiles into the
+    returned list (a function, not a counter object: generate() deep-copies its compile_config)."""
+    graphs = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return torch._dynamo.lookup_backend("aot_eager")(graph, example_inputs)
+
+    config = CompileConfig(backend=backend, mode=None, **options)
+    config._compile_all_devices = True
+    return config, graphs
+
+
+def test_generate_with_left_padding_equals_the_dynamic_cache(model) -> None:
+    ids, mask = _padded_prompt(2, 11)  # row 1 left-padded: its sinks and first coded positions are pads
     dynamic, static = _pair(model)
     with torch.no_grad():
         ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, cache=dynamic,
@@ -77,18 +97,8 @@ def test_generate_compiles_decode_steps_like_static_cache(model) -> None:
     """The layers are compileable, so generate() compiles their decode steps with its compile_config (transformers does
     that on GPUs by itself; _compile_all_devices lets it here): one compiled graph serves two caches, and the tokens
     equal eager generation's."""
-    ids = torch.randint(1, 64, (2, 30), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones_like(ids)
-    mask[1, :11] = 0
-    ids[1, :11] = 0
-    graphs = []
-
-    def backend(graph, example_inputs):  # a function: generate() deep-copies its compile_config
-        graphs.append(graph)
-        return torch._dynamo.lookup_backend("aot_eager")(graph, example_inputs)
-
-    config = CompileConfig(backend=backend, fullgraph=True, mode=None)
-    config._compile_all_devices = True
+    ids, mask = _padded_prompt(2, 11)
+    config, graphs = _recording_compile_config(fullgraph=True)
     torch._dynamo.reset()
     with torch.no_grad():
         runs = [model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0,
@@ -134,18 +144,8 @@ def test_chunked_prompt_under_compile_config(model) -> None:
     """With compile_config, generate() also runs a chunked prompt's chunks through the compiled model: the static
     cache's multi-token updates and their attention run eagerly inside it (torch.compiler.disable), so the tokens equal
     eager generation's."""
-    ids = torch.randint(1, 64, (2, 30), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(ids)
-    mask[1, :5] = 0
-    ids[1, :5] = 0
-    graphs = []
-
-    def backend(graph, example_inputs):
-        graphs.append(graph)
-        return torch._dynamo.lookup_backend("aot_eager")(graph, example_inputs)
-
-    config = CompileConfig(backend=backend, mode=None)
-    config._compile_all_devices = True
+    ids, mask = _padded_prompt(3, 5)
+    config, graphs = _recording_compile_config()
     torch._dynamo.reset()
     with torch.no_grad():
         eager, compiled = (model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
@@ -212,11 +212,15 @@ def test_compiled_decode_steps_equal_eager_steps(model) -> None:
     step_mask = torch.ones(2, 96, dtype=torch.long)  # one width for every step (no recompilation): max_cache_len
     step_mask[1, :7] = 0
 
-    def steps(forward) -> tuple[torch.Tensor, list[int]]:
+    def started() -> tuple[StaticTurboQuantCache, torch.Tensor]:
         _, static = _pair(model)
+        with torch.no_grad():
+            return static, model(input_ids=ids, attention_mask=prompt_mask, cache=static).logits
+
+    def steps(forward) -> tuple[torch.Tensor, list[int]]:
+        static, logits = started()
         out = []
         with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=prompt_mask, cache=static).logits
             for _ in range(12):
                 logits = forward(input_ids=logits[:, -1:].argmax(-1), attention_mask=step_mask, cache=static).logits
                 out.append(logits)
@@ -232,11 +236,6 @@ def test_compiled_decode_steps_equal_eager_steps(model) -> None:
     again, _ = steps(compiled)  # a new cache built with the same arguments: the same compiled step
     assert counter.frame_count == compiled_frames == 1
     torch.testing.assert_close(again, eager, rtol=0, atol=1e-6)
-
-    def started() -> tuple[StaticTurboQuantCache, torch.Tensor]:
-        _, static = _pair(model)
-        with torch.no_grad():
-            return static, model(input_ids=ids, attention_mask=prompt_mask, cache=static).logits
 
     (first, logits_a), (second, logits_b) = started(), started()  # two live caches, stepped in turn, then one dropped
     assert first.layers[0].key_codec is second.layers[0].key_codec  # one specification, one codec object
