@@ -356,15 +356,34 @@ inline size_t table_entries(const Plan& plan) { return static_cast<size_t>(plan.
 
 #ifdef TQVEC_X86
 // ------------------------------------------------------------------------------------------ AVX2 kernel
-struct QuantizedTables {
-  std::vector<uint8_t> lut;  // (n_steps, 16)
-  float inv_scale = 0.0f;    // dot ~= sum of entries * inv_scale + offset
+// One step's 8-bit table in both 128-bit lanes.
+struct alignas(32) Lut32 {
+  uint8_t bytes[32];
+};
+
+// How a query's 8-bit tables stand for its float ones: a row's dot ~= (sum of its entries) * inv_scale + offset.
+struct TableScale {
+  float inv_scale = 0.0f;
   float offset = 0.0f;
 };
 
-// 8-bit tables with one scale for all steps (the sum must share it) and one offset per step.
-__attribute__((target("avx2,fma"))) void quantize_tables(const Plan& plan, const float* lut, QuantizedTables& q) {
-  q.lut.assign(static_cast<size_t>(plan.n_steps) * kLut, 0);
+// Writes one step's 16 quantized entries, (x - low) * scale rounded and clamped to [0, 255] (x: entries 0-7 in lo8,
+// 8-15 in hi8), into both 128-bit lanes of `out`.
+__attribute__((target("avx2,fma"))) inline void store_quantized(__m256 lo8, __m256 hi8, __m256 low, __m256 scale, Lut32& out) {
+  const __m256 half = _mm256_set1_ps(0.5f), top = _mm256_set1_ps(255.0f);
+  const __m256i a = _mm256_cvttps_epi32(_mm256_min_ps(top, _mm256_fmadd_ps(_mm256_sub_ps(lo8, low), scale, half)));
+  const __m256i b = _mm256_cvttps_epi32(_mm256_min_ps(top, _mm256_fmadd_ps(_mm256_sub_ps(hi8, low), scale, half)));
+  // the packs work per 128-bit lane: its dwords are then a0-3, b0-3 (twice) in lane 0 and a4-7, b4-7 in lane 1, so
+  // dwords 0, 4, 1, 5 are the 16 entries in order
+  const __m256i words = _mm256_packus_epi32(a, b);
+  const __m256i bytes = _mm256_packus_epi16(words, words);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 0, 4, 1, 5);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(out.bytes), _mm256_permutevar8x32_epi32(bytes, order));
+}
+
+// 8-bit tables with one scale for all steps (the sum must share it) and one low end per step: the float tables
+// `lut` of `plan` quantized into out[0 .. n_steps).
+__attribute__((target("avx2,fma"))) void quantize_tables(const Plan& plan, const float* lut, Lut32* out, TableScale& q) {
   std::vector<float> low(static_cast<size_t>(plan.n_steps));
   float span = 0.0f;
   double offset = 0.0;
@@ -391,31 +410,67 @@ __attribute__((target("avx2,fma"))) void quantize_tables(const Plan& plan, const
     span = std::max(span, hi - lo);
   }
   const float scale = span > 0.0f ? 255.0f / span : 0.0f;
-  const __m256 vscale = _mm256_set1_ps(scale), half = _mm256_set1_ps(0.5f), top = _mm256_set1_ps(255.0f);
+  const __m256 vscale = _mm256_set1_ps(scale);
+  alignas(32) float entries[kLut];
   for (int t = 0; t < plan.n_steps; ++t) {
     const float* row = lut + plan.offset[t];
-    uint8_t* out = q.lut.data() + t * kLut;
     const int used = 1 << plan.width[t];
-    if (used >= 8) {  // 8 entries at a time: round, clamp, narrow to bytes
-      const __m256 lo = _mm256_set1_ps(low[t]);
-      for (int c = 0; c < used; c += 8) {
-        const __m256 v = _mm256_min_ps(top, _mm256_fmadd_ps(_mm256_sub_ps(_mm256_loadu_ps(row + c), lo), vscale, half));
-        const __m256i w = _mm256_cvttps_epi32(v);
-        const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(out + c), _mm_packus_epi16(words, words));
-      }
-    } else {
-      for (int c = 0; c < used; ++c) out[c] = static_cast<uint8_t>(std::min(255.0f, (row[c] - low[t]) * scale + 0.5f));
-    }
+    std::copy(row, row + used, entries);
+    std::fill(entries + used, entries + kLut, low[t]);  // entries past the step's codes: 0
+    store_quantized(_mm256_load_ps(entries), _mm256_load_ps(entries + 8), _mm256_set1_ps(low[t]), vscale, out[t]);
   }
   q.inv_scale = scale > 0.0f ? 1.0f / scale : 0.0f;
   q.offset = static_cast<float>(offset);
 }
 
-// One step's 8-bit table in both 128-bit lanes.
-struct alignas(32) Lut32 {
-  uint8_t bytes[32];
-};
+// quantize_tables of a sign plan (arrange_signs: step t covers channels 4t .. 4t + 3 of the rotated `query`, level
+// +1 where bit j of the entry is set, else -1), made from the query without float tables: with P_j = 2 max(q_j, 0)
+// and N_j = 2 max(-q_j, 0), entry e less the step's low end -sum_j |q_j| is sum_j (bit j of e ? P_j : N_j), and the
+// step's span is 2 sum_j |q_j|.
+__attribute__((target("avx2,fma"))) void sign_tables(const float* query, int64_t channels, int n_steps, Lut32* out, TableScale& q) {
+  // P and N of every channel (zero past the last), 8 channels (2 steps) at a time; per 8 steps their spans
+  const size_t padded = (static_cast<size_t>(n_steps) * 4 + 31) / 32 * 32;
+  std::vector<float> pn(2 * padded, 0.0f);
+  float* p = pn.data();
+  float* n = p + padded;
+  std::copy(query, query + channels, p);
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 widest = zero;
+  __m256d offset = _mm256_setzero_pd();
+  for (size_t c = 0; c < padded; c += 32) {
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 twice = _mm256_add_ps(_mm256_loadu_ps(p + c + 8 * i), _mm256_loadu_ps(p + c + 8 * i));
+      const __m256 plus = _mm256_max_ps(twice, zero), minus = _mm256_max_ps(_mm256_sub_ps(zero, twice), zero);
+      _mm256_storeu_ps(p + c + 8 * i, plus);
+      _mm256_storeu_ps(n + c + 8 * i, minus);
+      v[i] = _mm256_add_ps(plus, minus);  // 2 |q|
+    }
+    // the 8 steps' spans 2 sum_j |q_j| (in some order of the steps)
+    const __m256 spans = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    widest = _mm256_max_ps(widest, spans);
+    offset = _mm256_add_pd(offset, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(spans)),
+                                                  _mm256_cvtps_pd(_mm256_extractf128_ps(spans, 1))));
+  }
+  alignas(32) double sums[4];
+  _mm256_store_pd(sums, offset);
+  const float span = lane_max(widest);
+  const float scale = span > 0.0f ? 255.0f / span : 0.0f;
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int t = 0; t < n_steps; ++t) {
+    const float* pt = p + 4 * t;
+    const float* nt = n + 4 * t;
+    // entries 0-7: bits 0-2 vary across the lanes, bit 3 clear; entries 8-15: the same with bit 3 set
+    const __m256 common = _mm256_add_ps(
+        _mm256_add_ps(_mm256_blend_ps(_mm256_broadcast_ss(nt), _mm256_broadcast_ss(pt), 0xAA),
+                      _mm256_blend_ps(_mm256_broadcast_ss(nt + 1), _mm256_broadcast_ss(pt + 1), 0xCC)),
+        _mm256_blend_ps(_mm256_broadcast_ss(nt + 2), _mm256_broadcast_ss(pt + 2), 0xF0));
+    store_quantized(_mm256_add_ps(common, _mm256_broadcast_ss(nt + 3)), _mm256_add_ps(common, _mm256_broadcast_ss(pt + 3)), zero,
+                    vscale, out[t]);
+  }
+  q.inv_scale = scale > 0.0f ? 1.0f / scale : 0.0f;
+  q.offset = static_cast<float>(-0.5 * ((sums[0] + sums[1]) + (sums[2] + sums[3])));
+}
 
 // Adds the 16-bit sums (acc_a: even + 256 * odd bytes, acc_b: odd bytes) into 32-bit ones and clears them:
 // wide[0] rows 0, 2, .., 14; wide[1] rows 16, 18, .., 30; wide[2] rows 1, 3, .., 15; wide[3] rows 17, .., 31.
@@ -570,32 +625,29 @@ struct SimdSource {
   const float* exact_queries;  // two-stage: (queries of the item, dim) rotated queries in run_query_order
 };
 
-// The 8-bit tables of a group of queries for the SIMD kernels: per query and step one Lut32, and with AVX-512
-// the Lut64 of each byte pair of the pair runs (steps t and t + 2 side by side).
+// The 8-bit tables of a group of queries for the SIMD kernels: per query and step one Lut32 (filled by the caller,
+// see quantize_tables and sign_tables), and with AVX-512 the Lut64 of each byte pair of the pair runs (steps t and
+// t + 2 side by side, made by widen).
 struct GroupTables {
-  std::vector<QuantizedTables> q;
-  std::vector<Lut32> narrow;
-  std::unique_ptr<Lut64[]> wide;
+  int n_steps;
+  std::vector<TableScale> scale;  // per query
+  std::vector<Lut32> narrow;      // (queries, n_steps)
+  std::unique_ptr<Lut64[]> wide;  // (queries, n_steps), or null
 
-  GroupTables(const Plan& plan, const StepOps& ops, const float* luts, int64_t group, bool avx512) : q(group) {
-    narrow.resize(static_cast<size_t>(group * plan.n_steps));
+  GroupTables(int steps, int64_t group) : n_steps(steps), scale(group), narrow(static_cast<size_t>(group * steps)) {}
+
+  Lut32* of(int64_t j) { return narrow.data() + j * n_steps; }
+
+  void widen(const StepOps& ops) {
+    const int64_t group = static_cast<int64_t>(scale.size());
+    wide.reset(new Lut64[static_cast<size_t>(group * n_steps)]);
     for (int64_t j = 0; j < group; ++j) {
-      quantize_tables(plan, luts + j * table_entries(plan), q[j]);
-      for (int t = 0; t < plan.n_steps; ++t) {
-        Lut32& lut = narrow[j * plan.n_steps + t];
-        std::memcpy(lut.bytes, q[j].lut.data() + t * kLut, kLut);
-        std::memcpy(lut.bytes + kLut, q[j].lut.data() + t * kLut, kLut);
-      }
-    }
-    if (!avx512) return;
-    wide.reset(new Lut64[static_cast<size_t>(group * plan.n_steps)]);
-    for (int64_t j = 0; j < group; ++j) {
-      const Lut32* row = narrow.data() + j * plan.n_steps;
+      const Lut32* row = narrow.data() + j * n_steps;
       for (const PairRun& run : ops.pairs)
         for (int m = 0; 2 * m + 1 < run.count; ++m)
           for (int h = 0; h < 2; ++h) {
             const int t = run.lut + 4 * m + h;
-            Lut64& lut = wide[j * plan.n_steps + t];
+            Lut64& lut = wide[j * n_steps + t];
             std::memcpy(lut.bytes, row[t].bytes, sizeof(Lut32));
             std::memcpy(lut.bytes + sizeof(Lut32), row[t + 2].bytes, sizeof(Lut32));
           }
@@ -780,30 +832,123 @@ class LowerBounds {
   std::vector<float> heap_;
 };
 
-// Scans the blocks of work item `w` for each of its queries (tables `luts` of `src.plan`, one set per query):
+// One query's view of one block for settling its 32 estimates (scan_avx2): the block's side fields in lane order and
+// the query's constants.
+struct BlockQuery {
+  const float* scale;    // gains
+  const float* bias;
+  const float* slack;    // two stages: the error scales; null: one stage
+  const float* error;    // the estimates' errors at the reference vector, added (see arrange_signs), or null
+  const int64_t* ids;    // row numbers
+  float inv_scale, offset, constant;  // the 8-bit tables' (TableScale) and the group's constant
+  float reach, rounding;              // two stages: the bound is reach * slack + rounding * |gain|
+};
+
+// Settles one block for one query from its 8-bit sums (block_sums: 4 x 8 lanes). One stage: the rows whose estimate
+// beats `best`'s threshold enter it. Two stages (floor non-null): each row's estimate plus or minus its bound brackets
+// its score; the lower ends enter `floor`, and the lanes of the rows whose upper end beats `best`'s threshold and
+// reaches `floor`'s are appended to r.lanes (to be scored exactly).
+__attribute__((target("avx2,fma"))) void settle_avx2(const __m256i* sums, const BlockQuery& q, LowerBounds* floor, BestRows& best,
+                                                     Refinement& r) {
+  const __m256 inv_scale = _mm256_set1_ps(q.inv_scale), offset = _mm256_set1_ps(q.offset), constant = _mm256_set1_ps(q.constant);
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  alignas(32) float score[8];
+  __m256 value[4];
+  for (int g = 0; g < 4; ++g) {  // side fields and row numbers are stored in the same lane order
+    const __m256 dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[g]), inv_scale, offset);
+    const __m256 gain = _mm256_loadu_ps(q.scale + 8 * g);
+    value[g] = _mm256_add_ps(_mm256_fmadd_ps(dot, gain, _mm256_loadu_ps(q.bias + 8 * g)), constant);
+    if (!floor) continue;
+    if (q.error) value[g] = _mm256_add_ps(value[g], _mm256_loadu_ps(q.error + 8 * g));
+    const __m256 bound = _mm256_fmadd_ps(_mm256_loadu_ps(q.slack + 8 * g), _mm256_set1_ps(q.reach),
+                                         _mm256_mul_ps(_mm256_andnot_ps(sign_bit, gain), _mm256_set1_ps(q.rounding)));
+    const __m256 lower = _mm256_sub_ps(value[g], bound);
+    value[g] = _mm256_add_ps(value[g], bound);  // the upper end
+    int raising = _mm256_movemask_ps(_mm256_cmp_ps(lower, _mm256_set1_ps(floor->threshold()), _CMP_GT_OQ));
+    if (!raising) continue;
+    _mm256_store_ps(score, lower);
+    for (; raising; raising &= raising - 1) floor->push(score[__builtin_ctz(raising)]);
+  }
+  const __m256 threshold = _mm256_set1_ps(best.threshold());
+  const __m256 reachable = _mm256_set1_ps(floor ? floor->threshold() : kNegInf);
+  for (int g = 0; g < 4; ++g) {
+    int passing = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(value[g], threshold, _CMP_GT_OQ),
+                                                   _mm256_cmp_ps(value[g], reachable, _CMP_GE_OQ)));
+    if (!passing) continue;
+    _mm256_store_ps(score, value[g]);
+    for (; passing; passing &= passing - 1) {
+      const int i = __builtin_ctz(passing);
+      if (floor) {
+        r.lanes[r.n++] = 8 * g + i;
+      } else {
+        best.push(score[i], q.ids[8 * g + i], q.constant);
+      }
+    }
+  }
+}
+
+// settle_avx2 with 16-lane registers (the sums of two 8-lane groups side by side).
+__attribute__((target("avx512f,avx512bw,avx2,fma"))) void settle_avx512(const __m256i* sums, const BlockQuery& q, LowerBounds* floor,
+                                                                      BestRows& best, Refinement& r) {
+  const __m512 inv_scale = _mm512_set1_ps(q.inv_scale), offset = _mm512_set1_ps(q.offset), constant = _mm512_set1_ps(q.constant);
+  alignas(64) float score[16];
+  alignas(64) __m256i lanes[4] = {sums[0], sums[1], sums[2], sums[3]};  // through memory: GCC 12 warns on its own
+                                                                       // headers' 256-to-512-bit inserts
+  __m512 value[2];
+  for (int h = 0; h < 2; ++h) {
+    const __m512i both = _mm512_load_si512(lanes + 2 * h);
+    const __m512 dot = _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(kAll16, both), inv_scale, offset);  // (the masked form: ditto)
+    const __m512 gain = _mm512_loadu_ps(q.scale + 16 * h);
+    value[h] = _mm512_add_ps(_mm512_fmadd_ps(dot, gain, _mm512_loadu_ps(q.bias + 16 * h)), constant);
+    if (!floor) continue;
+    if (q.error) value[h] = _mm512_add_ps(value[h], _mm512_loadu_ps(q.error + 16 * h));
+    const __m512 bound = _mm512_fmadd_ps(_mm512_loadu_ps(q.slack + 16 * h), _mm512_set1_ps(q.reach),
+                                         _mm512_mul_ps(_mm512_abs_ps(gain), _mm512_set1_ps(q.rounding)));
+    const __m512 lower = _mm512_sub_ps(value[h], bound);
+    value[h] = _mm512_add_ps(value[h], bound);  // the upper end
+    unsigned raising = _mm512_cmp_ps_mask(lower, _mm512_set1_ps(floor->threshold()), _CMP_GT_OQ);
+    if (!raising) continue;
+    _mm512_store_ps(score, lower);
+    for (; raising; raising &= raising - 1) floor->push(score[__builtin_ctz(raising)]);
+  }
+  const __m512 threshold = _mm512_set1_ps(best.threshold());
+  const __m512 reachable = _mm512_set1_ps(floor ? floor->threshold() : kNegInf);
+  for (int h = 0; h < 2; ++h) {
+    unsigned passing = _mm512_cmp_ps_mask(value[h], threshold, _CMP_GT_OQ) & _mm512_cmp_ps_mask(value[h], reachable, _CMP_GE_OQ);
+    if (!passing) continue;
+    _mm512_store_ps(score, value[h]);
+    for (; passing; passing &= passing - 1) {
+      const int i = __builtin_ctz(passing);
+      if (floor) {
+        r.lanes[r.n++] = 16 * h + i;
+      } else {
+        best.push(score[i], q.ids[16 * h + i], q.constant);
+      }
+    }
+  }
+}
+
+// Scans the blocks of work item `w` for each of its queries (8-bit `tables` of `src.plan`, one set per query):
 // each block is looked up for every query of the group while it is in cache. One stage: a row enters `best`
 // with its 8-bit estimate. Two stages: a row's estimate plus or minus confidence * |q| * slack plus the tables'
 // rounding bound brackets its score; the row is scored exactly (and enters `best` with that score) when its upper
 // end beats the query's k-th exact score and reaches the k-th largest lower end of the rows scanned (LowerBounds:
 // so the first rows scanned are not all scored exactly while `best` fills). Exact scores wait one block: a block's
 // rows to score are prefetched, and scored after the next block's first stage, when their codes have arrived.
-__attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Work& w, const float* luts,
+__attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Work& w, const GroupTables& tables,
                                                    std::vector<BestRows>& best, const SimdSource& src, bool avx512) {
   const Blocks& blocks = *src.blocks;
   const Plan& plan = *src.plan;
   const int64_t group = w.query_end - w.query;
   const int64_t block_bytes = blocks.row_bytes * kRowsPerBlock;
-  const GroupTables tables(plan, *src.ops, luts, group, avx512);
   const bool two_stage = src.slack != nullptr;
   std::vector<float> reach(static_cast<size_t>(group)), rounding(static_cast<size_t>(group));
   std::vector<LowerBounds> floor(two_stage ? static_cast<size_t>(group) : 0, LowerBounds(best.empty() ? 1 : best[0].capacity()));
   for (int64_t j = 0; two_stage && j < group; ++j) {  // bound = reach * slack + rounding * |gain|
     const float* q = a.queries + (w.query + j) * a.dim;
     reach[j] = a.confidence * std::sqrt(dot_avx2(q, q, a.dim));
-    rounding[j] = 0.5f * static_cast<float>(plan.n_steps) * tables.q[j].inv_scale;
+    rounding[j] = 0.5f * static_cast<float>(plan.n_steps) * tables.scale[j].inv_scale;
   }
-  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
-  alignas(32) float score[8];
   std::vector<Refinement> waiting, arriving;  // exact scores of the previous block's rows, and of this block's
   waiting.reserve(two_stage ? static_cast<size_t>(group) : 0);
   arriving.reserve(two_stage ? static_cast<size_t>(group) : 0);
@@ -814,7 +959,6 @@ __attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Wo
   std::vector<float> span_reach(static_cast<size_t>(group));
   std::vector<char> shifted(static_cast<size_t>(group), 0);
   for (const GroupSpan& s : spans_of(a, w, blocks.group_blocks)) {
-    const __m256 constant = _mm256_set1_ps(s.constant);
     for (int64_t j = 0; two_stage && j < group; ++j) {
       span_reach[j] = reach[j];
       if (!reference) continue;
@@ -837,41 +981,14 @@ __attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Wo
         } else {
           block_sums(codes, *src.ops, tables.narrow.data() + j * plan.n_steps, sums);
         }
-        const __m256 inv_scale = _mm256_set1_ps(tables.q[j].inv_scale), offset = _mm256_set1_ps(tables.q[j].offset);
-        __m256 value[4];
-        for (int g = 0; g < 4; ++g) {  // side fields and row numbers are stored in the same lane order
-          const __m256 dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[g]), inv_scale, offset);
-          const __m256 gain = _mm256_loadu_ps(scale + 8 * g);
-          value[g] = _mm256_add_ps(_mm256_fmadd_ps(dot, gain, _mm256_loadu_ps(bias + 8 * g)), constant);
-          if (!two_stage) continue;
-          if (error && shifted[j]) value[g] = _mm256_add_ps(value[g], _mm256_loadu_ps(error + 8 * g));
-          const __m256 bound = _mm256_fmadd_ps(_mm256_loadu_ps(slack + 8 * g), _mm256_set1_ps(span_reach[j]),
-                                               _mm256_mul_ps(_mm256_andnot_ps(sign_bit, gain), _mm256_set1_ps(rounding[j])));
-          const __m256 lower = _mm256_sub_ps(value[g], bound);
-          value[g] = _mm256_add_ps(value[g], bound);  // the upper end
-          int raising = _mm256_movemask_ps(_mm256_cmp_ps(lower, _mm256_set1_ps(floor[j].threshold()), _CMP_GT_OQ));
-          if (!raising) continue;
-          _mm256_store_ps(score, lower);
-          for (; raising; raising &= raising - 1) floor[j].push(score[__builtin_ctz(raising)]);
-        }
-        const __m256 threshold = _mm256_set1_ps(best[j].threshold());
-        const __m256 reachable = _mm256_set1_ps(two_stage ? floor[j].threshold() : kNegInf);
+        const BlockQuery bq{scale, bias, slack, error && shifted[j] ? error : nullptr, ids, tables.scale[j].inv_scale,
+                            tables.scale[j].offset, s.constant, two_stage ? span_reach[j] : 0.0f, two_stage ? rounding[j] : 0.0f};
         Refinement r;  // lanes [0, n) are written before they are read: no zeroing of all 32 per block and query
         r.b = b, r.j = j, r.constant = s.constant, r.n = 0;
-        for (int g = 0; g < 4; ++g) {
-          int passing = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(value[g], threshold, _CMP_GT_OQ),
-                                                         _mm256_cmp_ps(value[g], reachable, _CMP_GE_OQ)));
-          if (!passing) continue;
-          _mm256_store_ps(score, value[g]);
-          while (passing) {
-            const int i = __builtin_ctz(passing);
-            passing &= passing - 1;
-            if (two_stage) {
-              r.lanes[r.n++] = 8 * g + i;
-            } else {
-              best[j].push(score[i], ids[8 * g + i], s.constant);
-            }
-          }
+        if (avx512) {
+          settle_avx512(sums, bq, two_stage ? &floor[j] : nullptr, best[j], r);
+        } else {
+          settle_avx2(sums, bq, two_stage ? &floor[j] : nullptr, best[j], r);
         }
         if (r.n) {
           prefetch_rows(a, r);
@@ -1129,6 +1246,7 @@ float reference_error(const float* r, const std::vector<float>& o, const std::ve
 SignStore arrange_signs(const Rows& rows, const Plan& plan, int64_t channels, const int64_t* offsets,
                         const int64_t* list_rows, int64_t n_groups, const float* reference) {
   SignStore out;
+  out.sign_bits = true;
   const int64_t sign_bytes = (channels + 7) / 8, n_steps = (channels + 3) / 4;
   for (int64_t t = 0; t < n_steps; ++t) {  // step t: the nibble of channels 4t .. 4t + 3, level +1 where a bit is set
     out.byte.push_back(static_cast<int32_t>(t / 2));
@@ -1298,30 +1416,43 @@ const char* search(const SearchArgs& a, Isa max_isa) {
   auto scan_items = [&](size_t begin, size_t end) {
     // uninitialized: the two-stage scan fills (and reads) only the tables of the steps its exact scores look up
     std::unique_ptr<float[]> luts(new float[table_entries(a.plan) * static_cast<size_t>(group)]);
-    std::unique_ptr<float[]> sign_luts(new float[two_stage ? table_entries(table_plan) * static_cast<size_t>(group) : 0]);
+    // one query's float tables of the first stage, quantized at once (a sign plan's are made from the query itself)
+    std::unique_ptr<float[]> first_luts(new float[two_stage && !a.signs->sign_bits ? table_entries(table_plan) : 0]);
     std::unique_ptr<float[]> exact_queries(new float[two_stage ? static_cast<size_t>(a.dim * group) : 0]);
     for (size_t i = begin; i < end; ++i) {
       const Work& w = work[i];
+#ifdef TQVEC_X86
+      GroupTables quantized(simd ? table_plan.n_steps : 0, simd ? w.query_end - w.query : 0);
+#endif
       for (int64_t q = w.query; q < w.query_end; ++q) {
         const float* query = a.queries + q * a.dim;
         float* lut = luts.get() + (q - w.query) * table_entries(a.plan);
         if (two_stage) {
           tables(a.plan, &steps.exact_runs.table_steps, query, lut);
-          tables(table_plan, nullptr, query, sign_luts.get() + (q - w.query) * table_entries(table_plan));
 #ifdef TQVEC_X86
           run_query_order(steps.exact_runs, query, a.dim, avx512 ? kRunChunkAvx512 : kRunChunkAvx2,
                           exact_queries.get() + (q - w.query) * a.dim);
+          if (a.signs->sign_bits) {
+            sign_tables(query, a.signs->channels, table_plan.n_steps, quantized.of(q - w.query), quantized.scale[q - w.query]);
+          } else {
+            tables(table_plan, nullptr, query, first_luts.get());
+            quantize_tables(table_plan, first_luts.get(), quantized.of(q - w.query), quantized.scale[q - w.query]);
+          }
 #endif
         } else {
           tables(a.plan, nullptr, query, lut);
+#ifdef TQVEC_X86
+          if (simd) quantize_tables(a.plan, lut, quantized.of(q - w.query), quantized.scale[q - w.query]);
+#endif
         }
       }
       std::vector<BestRows> best(static_cast<size_t>(w.query_end - w.query), BestRows(keep));
 #ifdef TQVEC_X86
       if (simd) {
+        if (avx512) quantized.widen(ops);
         const SimdSource src{blocks, &table_plan, &ops, two_stage ? a.signs->slack : nullptr, &steps.exact_runs, luts.get(),
                              table_entries(a.plan), exact_queries.get()};
-        scan_avx2(a, w, two_stage ? sign_luts.get() : luts.get(), best, src, avx512);
+        scan_avx2(a, w, quantized, best, src, avx512);
       } else {
         scan_exact(a, exact, w, luts.get(), best[0]);
       }

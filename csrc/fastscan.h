@@ -146,6 +146,7 @@ struct SignStore {
   std::vector<int32_t> byte, shift, width, channel, offset;  // the plan that reads the sign bytes (levels +-1)
   std::vector<float> level;
   std::shared_ptr<const PlanSteps> steps;  // of plan()
+  bool sign_bits = false;  // the first stage reads sign bits (arrange_signs): its tables are made from the query alone
 
   Plan plan() const;
   size_t nbytes() const;
@@ -162,6 +163,7 @@ struct SignBlocks {
   const uint8_t* codes;  // each slot's row (SignStore::codes), or null: the search's rows, by row number
   Plan plan;
   const PlanSteps* steps;  // of plan
+  bool sign_bits;          // SignStore::sign_bits
 };
 
 // The sign layout of `rows` read by `plan` (channels [0, channels)), grouped as in `arrange`. With `reference`

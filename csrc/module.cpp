@@ -139,7 +139,8 @@ class RowsHandle {
       const bool referenced = !signs_->reference.empty();
       sign_view_ = {signs_->blocks.view(), signs_->slack.data(), signs_->scale.data(),
                     referenced ? signs_->reference_error.data() : nullptr, referenced ? signs_->reference.data() : nullptr,
-                    channels, signs_->codes.empty() ? nullptr : signs_->codes.data(), signs_->plan(), signs_->steps.get()};
+                    channels, signs_->codes.empty() ? nullptr : signs_->codes.data(), signs_->plan(), signs_->steps.get(),
+                    signs_->sign_bits};
     } else if (layout == "lists" && groups_.list_rows) {
       ordered_ = tqvec::arrange_lists(rows_, groups_.list_rows, off[n_groups]);
       ordered_view_ = ordered_->view();
@@ -311,7 +312,7 @@ nb::tuple search_queries(const PlanHandle& plan, const RowsHandle& source, const
   std::vector<double> squared(static_cast<size_t>(nq));
   {
     nb::gil_scoped_release release;
-    tqvec::prepare_queries(prep.transform(), coarse, queries.data(), nq, threads, max_isa >= 1, squared.data(), rotated.data(),
+    tqvec::prepare_queries(prep.transform(), coarse, queries.data(), nq, threads, static_cast<tqvec::Isa>(max_isa), squared.data(), rotated.data(),
                            probe.data(), constant.data());
   }
   check_query_norms(squared, prep.max_squared_norm());

@@ -114,6 +114,48 @@ __attribute__((target("avx2,fma"))) void matmat_avx2(const float* m, int64_t row
 }
 #endif
 
+#ifdef TQVEC_X86
+// The sum of a 512-bit register's lanes (through memory: GCC 12 warns on its own headers' 512-bit reductions).
+__attribute__((target("avx512f,avx2,fma"))) inline float lane_sum_512(__m512 v) {
+  alignas(64) float part[16];
+  _mm512_store_ps(part, v);
+  return lane_sum(_mm256_add_ps(_mm256_load_ps(part), _mm256_load_ps(part + 8)));
+}
+
+// matmat with 16-wide products: 8 rows of `m` at a time (8 independent sums), the last n % 16 columns masked.
+// (Sums are taken in another order than matmat_avx2's, so results may differ in the last bits.)
+__attribute__((target("avx512f,avx2,fma"))) void matmat_avx512(const float* m, int64_t rows, int64_t n, const float* x,
+                                                               int64_t g, float* y) {
+  constexpr int kRows = 8;
+  const int64_t wide = n / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - wide)) - 1u);
+  for (int64_t j = 0; j < g; ++j) {
+    const float* q = x + j * n;
+    float* out = y + j * rows;
+    int64_t r = 0;
+    for (; r + kRows <= rows; r += kRows) {
+      __m512 acc[kRows];
+      for (__m512& a : acc) a = _mm512_setzero_ps();
+      for (int64_t c = 0; c < wide; c += 16) {
+        const __m512 v = _mm512_loadu_ps(q + c);
+        for (int i = 0; i < kRows; ++i) acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(m + (r + i) * n + c), v, acc[i]);
+      }
+      if (tail) {
+        const __m512 v = _mm512_maskz_loadu_ps(tail, q + wide);
+        for (int i = 0; i < kRows; ++i) acc[i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, m + (r + i) * n + wide), v, acc[i]);
+      }
+      for (int i = 0; i < kRows; ++i) out[r + i] = lane_sum_512(acc[i]);
+    }
+    for (; r < rows; ++r) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t c = 0; c < wide; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(m + r * n + c), _mm512_loadu_ps(q + c), acc);
+      if (tail) acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, m + r * n + wide), _mm512_maskz_loadu_ps(tail, q + wide), acc);
+      out[r] = lane_sum_512(acc);
+    }
+  }
+}
+#endif
+
 using Dot = float (*)(const float*, const float*, int64_t);
 using SquaredNorm = double (*)(const float*, int64_t);
 using Matmat = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*);
@@ -132,9 +174,10 @@ SquaredNorm pick_squared_norm(bool vector_isa) {
   return squared_norm_scalar;
 }
 
-Matmat pick_matmat(bool vector_isa) {
+Matmat pick_matmat(Isa max_isa) {
 #ifdef TQVEC_X86
-  if (vector_isa && has_avx2()) return matmat_avx2;
+  if (max_isa >= Isa::kAvx512 && has_avx512()) return matmat_avx512;
+  if (max_isa >= Isa::kAvx2 && has_avx2()) return matmat_avx2;
 #endif
   return matmat_scalar;
 }
@@ -264,13 +307,63 @@ __attribute__((target("avx2,fma"))) void walsh_hadamard_avx2(float* x, int64_t n
 __attribute__((target("avx2,fma"))) void rotate_avx2(const QueryTransform& t, float* v) {
   rotate_with<walsh_hadamard_avx2>(t, v);
 }
+
+// walsh_hadamard_avx2 with 16-wide registers: distances 1 to 8 within a register, then up to three levels a pass.
+template <int levels>
+__attribute__((target("avx512f,avx2,fma"), always_inline)) inline void hadamard_levels_avx512(float* x, int64_t n, int64_t h) {
+  constexpr int m = 1 << levels;
+  for (int64_t i = 0; i < n; i += h * m)
+    for (int64_t j = i; j < i + h; j += 16) {
+      __m512 r[m];
+      for (int k = 0; k < m; ++k) r[k] = _mm512_loadu_ps(x + j + k * h);
+      for (int s = 1; s < m; s *= 2)
+        for (int k = 0; k < m; ++k)
+          if (!(k & s)) {
+            const __m512 a = r[k], b = r[k + s];
+            r[k] = _mm512_add_ps(a, b);
+            r[k + s] = _mm512_sub_ps(a, b);
+          }
+      for (int k = 0; k < m; ++k) _mm512_storeu_ps(x + j + k * h, r[k]);
+    }
+}
+
+__attribute__((target("avx512f,avx2,fma"))) void walsh_hadamard_avx512(float* x, int64_t n) {
+  if (n < 16) return walsh_hadamard_avx2(x, n);
+  const __m512 odd = _mm512_setr_ps(1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1);
+  const __m512 pairs = _mm512_setr_ps(1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1);
+  const __m512 quads = _mm512_setr_ps(1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1);
+  const __m512 halves = _mm512_setr_ps(1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1);
+  constexpr __mmask16 all = 0xFFFF;  // the masked forms: GCC 12 warns that the plain ones read an undefined register
+  for (int64_t i = 0; i < n; i += 16) {  // (a, b) -> (a + b, a - b) at distances 1, 2, 4, 8: partner + own * sign
+    __m512 v = _mm512_loadu_ps(x + i);
+    v = _mm512_fmadd_ps(v, odd, _mm512_maskz_permute_ps(all, v, 0xB1));
+    v = _mm512_fmadd_ps(v, pairs, _mm512_maskz_permute_ps(all, v, 0x4E));
+    v = _mm512_fmadd_ps(v, quads, _mm512_maskz_shuffle_f32x4(all, v, v, 0xB1));
+    v = _mm512_fmadd_ps(v, halves, _mm512_maskz_shuffle_f32x4(all, v, v, 0x4E));
+    _mm512_storeu_ps(x + i, v);
+  }
+  for (int64_t h = 16; h < n; h *= 8) {
+    if (h * 2 == n) {
+      hadamard_levels_avx512<1>(x, n, h);
+    } else if (h * 4 == n) {
+      hadamard_levels_avx512<2>(x, n, h);
+    } else {
+      hadamard_levels_avx512<3>(x, n, h);
+    }
+  }
+}
+
+__attribute__((target("avx512f,avx2,fma,prefer-vector-width=512"))) void rotate_avx512(const QueryTransform& t, float* v) {
+  rotate_with<walsh_hadamard_avx512>(t, v);
+}
 #endif
 
 using Rotate = void (*)(const QueryTransform&, float*);
 
-Rotate pick_rotate(bool vector_isa) {
+Rotate pick_rotate(Isa max_isa) {
 #ifdef TQVEC_X86
-  if (vector_isa && has_avx2()) return rotate_avx2;
+  if (max_isa >= Isa::kAvx512 && has_avx512()) return rotate_avx512;
+  if (max_isa >= Isa::kAvx2 && has_avx2()) return rotate_avx2;
 #endif
   return rotate_scalar;
 }
@@ -278,18 +371,20 @@ Rotate pick_rotate(bool vector_isa) {
 }  // namespace
 
 void prepare_queries(const QueryTransform& t, const Coarse& c, const float* queries, int64_t nq, int threads,
-                     bool vector_isa, double* squared, float* rotated, int64_t* probe, float* probe_constant) {
+                     Isa max_isa, double* squared, float* rotated, int64_t* probe, float* probe_constant) {
+  const bool vector_isa = max_isa >= Isa::kAvx2;
   const Dot dot = pick_dot(vector_isa);
   const SquaredNorm squared_norm = pick_squared_norm(vector_isa);
-  const Matmat matmat = pick_matmat(vector_isa);
-  const Rotate rotate = pick_rotate(vector_isa);
+  const Matmat matmat = pick_matmat(max_isa);
+  const Rotate rotate = pick_rotate(max_isa);
   const int64_t n_probe = c.n_lists ? c.n_probe : 1;
   const float center_squared = t.center ? dot(t.center, t.center, t.dim) : 0.0f;
   // Blocks of up to kQueryBlock queries share each pass over the rotation and the centroids.
   const size_t blocks = static_cast<size_t>((nq + kQueryBlock - 1) / kQueryBlock);
   parallel_for(blocks, threads, [&](size_t begin, size_t end) {
-    std::vector<float> q(static_cast<size_t>(kQueryBlock * t.dim));
-    std::vector<float> product(static_cast<size_t>(kQueryBlock * c.n_lists)), closeness(static_cast<size_t>(c.n_lists));
+    const int64_t most = std::min(kQueryBlock, nq);  // queries of a block at most (a single query's search: one)
+    std::vector<float> q(static_cast<size_t>(most * t.dim));
+    std::vector<float> product(static_cast<size_t>(most * c.n_lists)), closeness(static_cast<size_t>(c.n_lists));
     std::vector<int64_t> order(static_cast<size_t>(c.n_lists));
     for (size_t block = begin; block < end; ++block) {
       const int64_t first = static_cast<int64_t>(block) * kQueryBlock, g = std::min(kQueryBlock, nq - first);

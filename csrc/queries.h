@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "fastscan.h"
+
 namespace tqvec {
 
 // The rotation and centering that map a query to the codes' rotated domain.
@@ -37,8 +39,8 @@ constexpr float kNormalizeEps = 1e-12f;
 // For queries (nq, dim): squared (nq,) their squared norms |q|^2 in double precision (not finite where a query
 // holds NaN or Inf; the caller checks them before it scans); rotated (nq, out_dim); probe (nq, n_probe) lists (best
 // first) and their constants probe_constant (nq, n_probe) (a flat index: n_probe 1). Runs on up to `threads`
-// threads, with AVX2 where the CPU has it and `vector_isa` allows it.
+// threads, with AVX2 or AVX-512 where the CPU has it and `max_isa` allows it.
 void prepare_queries(const QueryTransform& transform, const Coarse& coarse, const float* queries, int64_t nq, int threads,
-                     bool vector_isa, double* squared, float* rotated, int64_t* probe, float* probe_constant);
+                     Isa max_isa, double* squared, float* rotated, int64_t* probe, float* probe_constant);
 
 }  // namespace tqvec
