@@ -119,7 +119,7 @@ def test_ivf_index_matches_torch(kernel, layout: str, metric: str, encoding: str
     _assert_same_results(*_search_both(kernel, index, q[:1], 10, nprobe=3))
 
 
-@pytest.mark.parametrize("max_isa", [0, 2])
+@pytest.mark.parametrize("max_isa", [0, 1, 2])
 @pytest.mark.parametrize("rotation", ["hadamard", "fht-kac"])
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
 def test_structured_rotations_and_zero_queries_match_torch(kernel, monkeypatch, metric: str, rotation: str,
@@ -127,7 +127,7 @@ def test_structured_rotations_and_zero_queries_match_torch(kernel, monkeypatch, 
     """The kernel prepares queries itself (normalize, rotate, probe) as torch does, for a flat and an inverted-file
     index, a zero query included: the Walsh-Hadamard rotation with d = 93 padded to 128, and the FHT-Kac rotation
     at d = 93 (blocks of 64 at both ends, an odd coordinate left out of the butterflies); with the scalar code
-    (max_isa 0) and with AVX2 where the CPU has it."""
+    (max_isa 0), and with AVX2 and AVX-512 where the CPU has them."""
     monkeypatch.setattr(_fastscan, "MAX_ISA", max_isa)
     x, q = _data(1200, 93, seed=20), _data(7, 93, seed=21)
     q[3] = 0.0
@@ -139,10 +139,12 @@ def test_structured_rotations_and_zero_queries_match_torch(kernel, monkeypatch, 
         _assert_same_results(*_search_both(kernel, index, q, 10, **kw))
 
 
+@pytest.mark.parametrize("max_isa", [1, 2])
 @pytest.mark.parametrize("dim", [300, 784])
-def test_wide_fht_kac_queries_match_torch(kernel, dim: int) -> None:
-    """The kernel's Walsh-Hadamard transform runs up to three levels per pass: FHT-Kac blocks of 256 (a last pass of
-    two levels) and 512 (two passes of three) rotate queries as torch does."""
+def test_wide_fht_kac_queries_match_torch(kernel, monkeypatch, dim: int, max_isa: int) -> None:
+    """The kernel's Walsh-Hadamard transform runs up to three levels per pass (after the levels within a register):
+    FHT-Kac blocks of 256 and 512 rotate queries as torch does, with AVX2 and with AVX-512 where the CPU has it."""
+    monkeypatch.setattr(_fastscan, "MAX_ISA", max_isa)
     x, q = _data(900, dim, seed=31), _data(6, dim, seed=32)
     index = Index(dim, 4, "l2", rotation="fht-kac", seed=33)
     index.add(x)
