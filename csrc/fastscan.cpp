@@ -427,10 +427,12 @@ __attribute__((target("avx2,fma"))) void quantize_tables(const Plan& plan, const
 // +1 where bit j of the entry is set, else -1), made from the query without float tables: with P_j = 2 max(q_j, 0)
 // and N_j = 2 max(-q_j, 0), entry e less the step's low end -sum_j |q_j| is sum_j (bit j of e ? P_j : N_j), and the
 // step's span is 2 sum_j |q_j|.
-__attribute__((target("avx2,fma"))) void sign_tables(const float* query, int64_t channels, int n_steps, Lut32* out, TableScale& q) {
+// `pn`: scratch, resized here.
+__attribute__((target("avx2,fma"))) void sign_tables(const float* query, int64_t channels, int n_steps, Lut32* out, TableScale& q,
+                                                     std::vector<float>& pn) {
   // P and N of every channel (zero past the last), 8 channels (2 steps) at a time; per 8 steps their spans
   const size_t padded = (static_cast<size_t>(n_steps) * 4 + 31) / 32 * 32;
-  std::vector<float> pn(2 * padded, 0.0f);
+  pn.assign(2 * padded, 0.0f);
   float* p = pn.data();
   float* n = p + padded;
   std::copy(query, query + channels, p);
@@ -1413,9 +1415,12 @@ const char* search(const SearchArgs& a, Isa max_isa) {
 #else
   const auto tables = float_tables;
 #endif
+  // uninitialized: the two-stage scan fills (and reads) only the tables of the steps its exact scores look up (none
+  // where every step is in a run: most codes of 3 and 4 bits)
+  const size_t lut_floats = two_stage && steps.exact_runs.table_steps.empty() ? 0 : table_entries(a.plan) * static_cast<size_t>(group);
   auto scan_items = [&](size_t begin, size_t end) {
-    // uninitialized: the two-stage scan fills (and reads) only the tables of the steps its exact scores look up
-    std::unique_ptr<float[]> luts(new float[table_entries(a.plan) * static_cast<size_t>(group)]);
+    std::unique_ptr<float[]> luts(new float[lut_floats]);
+    std::vector<float> sign_scratch;
     // one query's float tables of the first stage, quantized at once (a sign plan's are made from the query itself)
     std::unique_ptr<float[]> first_luts(new float[two_stage && !a.signs->sign_bits ? table_entries(table_plan) : 0]);
     std::unique_ptr<float[]> exact_queries(new float[two_stage ? static_cast<size_t>(a.dim * group) : 0]);
@@ -1433,7 +1438,8 @@ const char* search(const SearchArgs& a, Isa max_isa) {
           run_query_order(steps.exact_runs, query, a.dim, avx512 ? kRunChunkAvx512 : kRunChunkAvx2,
                           exact_queries.get() + (q - w.query) * a.dim);
           if (a.signs->sign_bits) {
-            sign_tables(query, a.signs->channels, table_plan.n_steps, quantized.of(q - w.query), quantized.scale[q - w.query]);
+            sign_tables(query, a.signs->channels, table_plan.n_steps, quantized.of(q - w.query), quantized.scale[q - w.query],
+                        sign_scratch);
           } else {
             tables(table_plan, nullptr, query, first_luts.get());
             quantize_tables(table_plan, first_luts.get(), quantized.of(q - w.query), quantized.scale[q - w.query]);

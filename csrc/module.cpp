@@ -8,6 +8,7 @@
 #include <nanobind/stl/string.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -19,6 +20,7 @@
 #include "attention.h"
 #include "fastscan.h"
 #include "int8_scan.h"
+#include "parallel.h"
 #include "queries.h"
 
 namespace nb = nanobind;
@@ -215,11 +217,12 @@ class QueryHandle {
   tqvec::Coarse coarse_{};
 };
 
-// Searches `source` for queries (nq, dim) (rotated) with optional probes (nq, n_probe) and their constants; fills
-// values / rows (nq, k) and, when not null, exact (nq,): the rows each query scored exactly. Returns the kernel's name.
-const char* run_search(const PlanHandle& plan, const RowsHandle& source, const float* queries, int64_t nq, int64_t dim,
-                       const int64_t* probe, const float* probe_constant, int64_t n_probe, int64_t k, int64_t rescore,
-                       float confidence, int threads, int max_isa, float* values, int64_t* rows, int64_t* exact = nullptr) {
+// The kernel's arguments for a search of `source` for queries (nq, dim) (rotated) with optional probes (nq, n_probe)
+// and their constants, filling values / rows (nq, k) and, when not null, exact (nq,): the rows each query scored
+// exactly. Checks them (ValueError).
+tqvec::SearchArgs search_args(const PlanHandle& plan, const RowsHandle& source, const float* queries, int64_t nq, int64_t dim,
+                              const int64_t* probe, const float* probe_constant, int64_t n_probe, int64_t k, int64_t rescore,
+                              float confidence, int threads, float* values, int64_t* rows, int64_t* exact = nullptr) {
   require(plan.last_byte() < source.rows().row_bytes, "the plan reads past the end of a row");
   require(plan.last_channel() < dim, "the plan reads a channel the queries do not have");
   require(source.signs() == nullptr || source.signs()->channels == plan.last_channel() + 1,
@@ -234,10 +237,20 @@ const char* run_search(const PlanHandle& plan, const RowsHandle& source, const f
   } else {
     require(groups.n_groups == 1, "several groups need probe");
   }
-  const tqvec::SearchArgs args{plan.view(), plan.steps(), source.rows(), groups, queries, nq, dim, k, rescore, source.layout(),
-                               source.signs(), source.ordered(), confidence, threads, values, rows, exact};
+  return {plan.view(), plan.steps(), source.rows(), groups, queries, nq, dim, k, rescore, source.layout(),
+          source.signs(), source.ordered(), confidence, threads, values, rows, exact};
+}
+
+inline tqvec::Isa isa_of(int max_isa) { return static_cast<tqvec::Isa>(std::clamp(max_isa, 0, 4)); }
+
+// search_args' search, run without the GIL; returns the kernel's name.
+const char* run_search(const PlanHandle& plan, const RowsHandle& source, const float* queries, int64_t nq, int64_t dim,
+                       const int64_t* probe, const float* probe_constant, int64_t n_probe, int64_t k, int64_t rescore,
+                       float confidence, int threads, int max_isa, float* values, int64_t* rows, int64_t* exact = nullptr) {
+  const tqvec::SearchArgs args = search_args(plan, source, queries, nq, dim, probe, probe_constant, n_probe, k, rescore, confidence,
+                                             threads, values, rows, exact);
   nb::gil_scoped_release release;
-  return tqvec::search(args, static_cast<tqvec::Isa>(std::clamp(max_isa, 0, 4)));
+  return tqvec::search(args, isa_of(max_isa));
 }
 
 // A (nq, k) numpy array owning `data`.
@@ -287,6 +300,12 @@ void check_query_norms(const std::vector<double>& squared, double bound) {
     }
 }
 
+// An inverted-file batch is prepared and searched in chunks, one thread per chunk, when each thread has this many queries
+// at least; a chunk holds nq / (8 threads) queries, at most kPairedMaxChunk (the preparation's block: they share each
+// pass over the centroids).
+constexpr int64_t kPairedMinQueriesPerThread = 2;
+constexpr int64_t kPairedMaxChunk = 8;
+
 // Prepares raw queries (nq, dim) as `prep` says (rotation, probed lists and their constants), searches `source` with
 // them, all on the search's threads, and answers as the index does: (D (nq, k) float32, I (nq, k) int64 ids from
 // `ids` (one per row), kernel name); D holds the scores, or for `l2` the distances |q|^2 - 2 score; no result:
@@ -307,21 +326,53 @@ nb::tuple search_queries(const PlanHandle& plan, const RowsHandle& source, const
     require(source.groups().n_groups == 1, "a flat search reads one group");
     n_probe = 1;
   }
-  std::vector<float> rotated(static_cast<size_t>(nq * prep.transform().out_dim)), constant(static_cast<size_t>(nq * n_probe));
+  const int64_t out_dim = prep.transform().out_dim;
+  std::vector<float> rotated(static_cast<size_t>(nq * out_dim)), constant(static_cast<size_t>(nq * n_probe));
   std::vector<int64_t> probe(static_cast<size_t>(nq * n_probe));
   std::vector<double> squared(static_cast<size_t>(nq));
-  {
-    nb::gil_scoped_release release;
-    tqvec::prepare_queries(prep.transform(), coarse, queries.data(), nq, threads, static_cast<tqvec::Isa>(max_isa), squared.data(), rotated.data(),
-                           probe.data(), constant.data());
-  }
-  check_query_norms(squared, prep.max_squared_norm());
   auto* distances = new float[static_cast<size_t>(nq * k)];
   auto* labels = new int64_t[static_cast<size_t>(nq * k)];
   auto out_distances = owned(distances, nq, k);
   auto out_labels = owned(labels, nq, k);
-  const char* kernel = run_search(plan, source, rotated.data(), nq, prep.transform().out_dim, probe.data(), constant.data(),
-                                  n_probe, k, rescore, confidence, threads, max_isa, distances, labels);
+  const char* kernel;
+  if (coarse.n_lists && threads > 1 && nq >= kPairedMinQueriesPerThread * threads) {
+    // An inverted-file batch: each chunk of queries is prepared and searched by one thread, in one parallel region (a
+    // region for the preparation and another for the search paid the pool's start twice). A query's values are
+    // checked after the region; a bad one raises there, and no result is returned.
+    const tqvec::SearchArgs whole = search_args(plan, source, rotated.data(), nq, out_dim, probe.data(), constant.data(), n_probe, k,
+                                                rescore, confidence, 1, distances, labels);
+    const int64_t chunk = std::clamp<int64_t>(nq / (8 * threads), 1, kPairedMaxChunk);
+    std::atomic<const char*> used{nullptr};
+    {
+      nb::gil_scoped_release release;
+      tqvec::parallel_for(static_cast<size_t>((nq + chunk - 1) / chunk), threads, [&](size_t begin, size_t end) {
+        for (size_t c = begin; c < end; ++c) {
+          const int64_t first = static_cast<int64_t>(c) * chunk, g = std::min(chunk, nq - first);
+          tqvec::prepare_queries(prep.transform(), coarse, queries.data() + first * dim, g, 1, isa_of(max_isa), squared.data() + first,
+                                 rotated.data() + first * out_dim, probe.data() + first * n_probe, constant.data() + first * n_probe);
+          tqvec::SearchArgs part = whole;
+          part.queries += first * out_dim;
+          part.nq = g;
+          part.groups.probe += first * n_probe;
+          part.groups.probe_constant += first * n_probe;
+          part.out_values += first * k;
+          part.out_rows += first * k;
+          used = tqvec::search(part, isa_of(max_isa));
+        }
+      });
+    }
+    check_query_norms(squared, prep.max_squared_norm());
+    kernel = used.load();
+  } else {
+    {
+      nb::gil_scoped_release release;
+      tqvec::prepare_queries(prep.transform(), coarse, queries.data(), nq, threads, isa_of(max_isa), squared.data(), rotated.data(),
+                             probe.data(), constant.data());
+    }
+    check_query_norms(squared, prep.max_squared_norm());
+    kernel = run_search(plan, source, rotated.data(), nq, out_dim, probe.data(), constant.data(), n_probe, k, rescore, confidence,
+                        threads, max_isa, distances, labels);
+  }
   const float none = l2 ? std::numeric_limits<float>::infinity() : -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < nq; ++i) {
     const float norm_squared = static_cast<float>(squared[i]);

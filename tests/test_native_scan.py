@@ -139,6 +139,29 @@ def test_structured_rotations_and_zero_queries_match_torch(kernel, monkeypatch, 
         _assert_same_results(*_search_both(kernel, index, q, 10, **kw))
 
 
+def test_inverted_file_batches_on_threads_equal_one_thread_and_check_every_query() -> None:
+    """An inverted-file batch on several threads is prepared and scanned in chunks, one thread per chunk: it returns
+    what one thread returns (bit for bit: each query's work is the same), and a NaN or an oversized row anywhere in
+    the batch raises the ValueError one thread raises, naming that row."""
+    x, q = _data(3000, 96, seed=40), _data(61, 96, seed=41)
+    index = IVFIndex(96, 16, 4, "l2", rotation="fht-kac", seed=42)
+    index.add(x)
+    with torch_threads(1):
+        expected = index.search(q, 10, nprobe=5)
+    with torch_threads(4):
+        got = index.search(q, 10, nprobe=5)
+        np.testing.assert_array_equal(got[1], expected[1])
+        np.testing.assert_array_equal(got[0], expected[0])
+        bad = q.copy()
+        bad[37, 5] = np.nan
+        with pytest.raises(ValueError, match="queries contains NaN or Inf"):
+            index.search(bad, 10, nprobe=5)
+        bad = q.copy()
+        bad[52] = 1e20
+        with pytest.raises(ValueError, match="queries row 52 has squared L2 norm"):
+            index.search(bad, 10, nprobe=5)
+
+
 @pytest.mark.parametrize("max_isa", [1, 2])
 @pytest.mark.parametrize("dim", [300, 784])
 def test_wide_fht_kac_queries_match_torch(kernel, monkeypatch, dim: int, max_isa: int) -> None:
