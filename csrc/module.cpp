@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -327,54 +328,15 @@ nb::tuple search_queries(const PlanHandle& plan, const RowsHandle& source, const
     n_probe = 1;
   }
   const int64_t out_dim = prep.transform().out_dim;
-  std::vector<float> rotated(static_cast<size_t>(nq * out_dim)), constant(static_cast<size_t>(nq * n_probe));
-  std::vector<int64_t> probe(static_cast<size_t>(nq * n_probe));
+  const double bound = prep.max_squared_norm();
   std::vector<double> squared(static_cast<size_t>(nq));
   auto* distances = new float[static_cast<size_t>(nq * k)];
   auto* labels = new int64_t[static_cast<size_t>(nq * k)];
   auto out_distances = owned(distances, nq, k);
   auto out_labels = owned(labels, nq, k);
-  const char* kernel;
-  if (coarse.n_lists && threads > 1 && nq >= kPairedMinQueriesPerThread * threads) {
-    // An inverted-file batch: each chunk of queries is prepared and searched by one thread, in one parallel region (a
-    // region for the preparation and another for the search paid the pool's start twice). A query's values are
-    // checked after the region; a bad one raises there, and no result is returned.
-    const tqvec::SearchArgs whole = search_args(plan, source, rotated.data(), nq, out_dim, probe.data(), constant.data(), n_probe, k,
-                                                rescore, confidence, 1, distances, labels);
-    const int64_t chunk = std::clamp<int64_t>(nq / (8 * threads), 1, kPairedMaxChunk);
-    std::atomic<const char*> used{nullptr};
-    {
-      nb::gil_scoped_release release;
-      tqvec::parallel_for(static_cast<size_t>((nq + chunk - 1) / chunk), threads, [&](size_t begin, size_t end) {
-        for (size_t c = begin; c < end; ++c) {
-          const int64_t first = static_cast<int64_t>(c) * chunk, g = std::min(chunk, nq - first);
-          tqvec::prepare_queries(prep.transform(), coarse, queries.data() + first * dim, g, 1, isa_of(max_isa), squared.data() + first,
-                                 rotated.data() + first * out_dim, probe.data() + first * n_probe, constant.data() + first * n_probe);
-          tqvec::SearchArgs part = whole;
-          part.queries += first * out_dim;
-          part.nq = g;
-          part.groups.probe += first * n_probe;
-          part.groups.probe_constant += first * n_probe;
-          part.out_values += first * k;
-          part.out_rows += first * k;
-          used = tqvec::search(part, isa_of(max_isa));
-        }
-      });
-    }
-    check_query_norms(squared, prep.max_squared_norm());
-    kernel = used.load();
-  } else {
-    {
-      nb::gil_scoped_release release;
-      tqvec::prepare_queries(prep.transform(), coarse, queries.data(), nq, threads, isa_of(max_isa), squared.data(), rotated.data(),
-                             probe.data(), constant.data());
-    }
-    check_query_norms(squared, prep.max_squared_norm());
-    kernel = run_search(plan, source, rotated.data(), nq, out_dim, probe.data(), constant.data(), n_probe, k, rescore, confidence,
-                        threads, max_isa, distances, labels);
-  }
   const float none = l2 ? std::numeric_limits<float>::infinity() : -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < nq; ++i) {
+  // Query i's answer from the kernel's rows and scores: ids, distances (l2) and padding, equal distances in id order
+  auto answer = [&](int64_t i) {
     const float norm_squared = static_cast<float>(squared[i]);
     for (int64_t j = i * k; j < (i + 1) * k; ++j) {
       const int64_t row = labels[j];
@@ -387,6 +349,62 @@ nb::tuple search_queries(const PlanHandle& plan, const RowsHandle& source, const
       std::sort(labels + j, labels + end);
       j = end;
     }
+  };
+  const char* kernel;
+  if (coarse.n_lists && threads > 1 && nq >= kPairedMinQueriesPerThread * threads) {
+    // An inverted-file batch: each chunk of queries is prepared, searched and answered by one thread, in one parallel
+    // region, with buffers for one chunk (a region for the preparation and another for the search paid the pool's
+    // start twice, and the batch's rotated queries, zeroed and answered on the calling thread, kept the others
+    // waiting). A chunk with a bad query is not searched; the check after the region raises, no result returned.
+    const std::vector<int64_t> no_probe(1);  // placeholders for the checks: each chunk sets its own
+    const std::vector<float> no_constant(1);
+    const tqvec::SearchArgs whole = search_args(plan, source, nullptr, nq, out_dim, no_probe.data(), no_constant.data(), n_probe, k,
+                                                rescore, confidence, 1, distances, labels);
+    const int64_t chunk = std::clamp<int64_t>(nq / (8 * threads), 1, kPairedMaxChunk);
+    std::atomic<const char*> used{nullptr};
+    {
+      nb::gil_scoped_release release;
+      tqvec::parallel_for(static_cast<size_t>((nq + chunk - 1) / chunk), threads, [&](size_t begin, size_t end) {
+        std::unique_ptr<float[]> rotated(new float[static_cast<size_t>(chunk * out_dim)]);
+        std::unique_ptr<float[]> constant(new float[static_cast<size_t>(chunk * n_probe)]);
+        std::unique_ptr<int64_t[]> probe(new int64_t[static_cast<size_t>(chunk * n_probe)]);
+        for (size_t c = begin; c < end; ++c) {
+          const int64_t first = static_cast<int64_t>(c) * chunk, g = std::min(chunk, nq - first);
+          tqvec::prepare_queries(prep.transform(), coarse, queries.data() + first * dim, g, 1, isa_of(max_isa), squared.data() + first,
+                                 rotated.get(), probe.get(), constant.get());
+          if (!std::all_of(squared.begin() + first, squared.begin() + first + g, [&](double v) { return std::isfinite(v) && v <= bound; }))
+            continue;
+          tqvec::SearchArgs part = whole;
+          part.queries = rotated.get();
+          part.nq = g;
+          part.groups.probe = probe.get();
+          part.groups.probe_constant = constant.get();
+          part.out_values += first * k;
+          part.out_rows += first * k;
+          used = tqvec::search(part, isa_of(max_isa));
+          for (int64_t i = first; i < first + g; ++i) answer(i);
+        }
+      });
+    }
+    check_query_norms(squared, bound);
+    kernel = used.load();
+  } else {
+    // uninitialized: the preparation writes every entry (zeroing a large batch's rotated queries on the calling
+    // thread kept the pool waiting)
+    std::unique_ptr<float[]> rotated(new float[static_cast<size_t>(nq * out_dim)]), constant(new float[static_cast<size_t>(nq * n_probe)]);
+    std::unique_ptr<int64_t[]> probe(new int64_t[static_cast<size_t>(nq * n_probe)]);
+    {
+      nb::gil_scoped_release release;
+      tqvec::prepare_queries(prep.transform(), coarse, queries.data(), nq, threads, isa_of(max_isa), squared.data(), rotated.get(),
+                             probe.get(), constant.get());
+    }
+    check_query_norms(squared, bound);
+    kernel = run_search(plan, source, rotated.get(), nq, out_dim, probe.get(), constant.get(), n_probe, k, rescore, confidence,
+                        threads, max_isa, distances, labels);
+    nb::gil_scoped_release release;
+    tqvec::parallel_for(static_cast<size_t>(nq), threads, [&](size_t begin, size_t end) {
+      for (size_t i = begin; i < end; ++i) answer(static_cast<int64_t>(i));
+    }, 256);
   }
   return nb::make_tuple(out_distances, out_labels, kernel);
 }

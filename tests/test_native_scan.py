@@ -139,6 +139,22 @@ def test_structured_rotations_and_zero_queries_match_torch(kernel, monkeypatch, 
         _assert_same_results(*_search_both(kernel, index, q, 10, **kw))
 
 
+def test_flat_batches_on_threads_equal_one_thread() -> None:
+    """A flat batch on several threads (prepared, scanned and answered on the pool) returns what one thread returns,
+    ties in id order included."""
+    x = _data(3000, 96, seed=43)
+    q = np.concatenate([x[:5], _data(70, 96, seed=44)])
+    index = Index(96, 4, "l2", rotation="fht-kac", seed=45)
+    index.add(np.concatenate([x, x[:5]]), ids=np.arange(3005)[::-1].copy())  # duplicates: equal distances, id order
+    with torch_threads(1):
+        expected = index.search(q, 10)
+    with torch_threads(4):
+        got = index.search(q, 10)
+    np.testing.assert_array_equal(got[1], expected[1])
+    np.testing.assert_array_equal(got[0], expected[0])
+    assert (np.diff(got[1][:5, :2], axis=1) > 0).all()  # each duplicated row's two ids, the lower first
+
+
 def test_inverted_file_batches_on_threads_equal_one_thread_and_check_every_query() -> None:
     """An inverted-file batch on several threads is prepared and scanned in chunks, one thread per chunk: it returns
     what one thread returns (bit for bit: each query's work is the same), and a NaN or an oversized row anywhere in
