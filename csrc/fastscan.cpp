@@ -811,16 +811,32 @@ __attribute__((target("avx2,fma"))) inline void refine_all(const SearchArgs& a, 
   arriving.clear();
 }
 
-// The `capacity` largest lower bounds seen so far (a min-heap): while it is full, a row whose upper bound is below
-// its smallest cannot be among the best `capacity` (that many rows score at least their lower bounds, above it).
+// The `capacity` largest lower bounds seen so far: while it is full, a row whose upper bound is below its smallest
+// cannot be among the best `capacity` (that many rows score at least their lower bounds, above it). Up to
+// kSortedBounds of them are kept in a sorted array (an insertion moves the few smaller ones: most bounds that enter
+// barely beat the smallest), more in a min-heap.
 class LowerBounds {
  public:
-  explicit LowerBounds(int64_t capacity) : capacity_(static_cast<size_t>(capacity)) { heap_.reserve(capacity_); }
+  static constexpr size_t kSortedBounds = 32;
 
-  float threshold() const { return heap_.size() < capacity_ ? kNegInf : heap_.front(); }
+  explicit LowerBounds(int64_t capacity) : capacity_(static_cast<size_t>(capacity)) {
+    if (capacity_ > kSortedBounds) heap_.reserve(capacity_);
+    std::fill(sorted_, sorted_ + kSortedBounds, kNegInf);
+  }
+
+  float threshold() const {
+    if (capacity_ <= kSortedBounds) return sorted_[capacity_ - 1];
+    return heap_.size() < capacity_ ? kNegInf : heap_.front();
+  }
 
   void push(float bound) {
     if (!(bound > threshold())) return;
+    if (capacity_ <= kSortedBounds) {  // sorted_[0 .. capacity) largest first; the smallest leaves
+      size_t i = capacity_ - 1;
+      for (; i > 0 && sorted_[i - 1] < bound; --i) sorted_[i] = sorted_[i - 1];
+      sorted_[i] = bound;
+      return;
+    }
     if (heap_.size() == capacity_) {
       std::pop_heap(heap_.begin(), heap_.end(), std::greater<float>());
       heap_.pop_back();
@@ -831,6 +847,7 @@ class LowerBounds {
 
  private:
   size_t capacity_;
+  float sorted_[kSortedBounds];
   std::vector<float> heap_;
 };
 

@@ -329,6 +329,16 @@ def test_two_stage_scores_exactly_only_rows_that_can_reach_the_top_k(two_stage: 
     _assert_same_results((reference[0].numpy(), reference[1].numpy()), (values, rows))
 
 
+@pytest.mark.parametrize("k", [1, 32, 33, 70])
+def test_two_stage_keeps_the_top_k_for_any_k(kernel, k: int) -> None:
+    """The two-stage scan keeps the k largest lower bounds in a sorted array up to 32 of them and in a heap beyond:
+    every k returns the reference's top k."""
+    x, q = _data(1500, 256, seed=50), _data(9, 256, seed=51)
+    index = IVFIndex(256, 8, 4, "ip", seed=52)
+    index.add(x)
+    _assert_same_results(*_search_both(kernel, index, q, k, nprobe=3))
+
+
 def test_two_stage_keeps_near_duplicates_of_the_query(two_stage: str) -> None:
     """Rows and queries all close to one vector (cosines 0.9-1): the first stage's estimate must be exact along the
     row itself, as RaBitQ's is (a projection on the coarse code underestimates such rows by the coarse code's squared
