@@ -3,7 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numeric>
+#include <limits>
 #include <vector>
 
 #include "fastscan.h"
@@ -384,8 +384,8 @@ void prepare_queries(const QueryTransform& t, const Coarse& c, const float* quer
   parallel_for(blocks, threads, [&](size_t begin, size_t end) {
     const int64_t most = std::min(kQueryBlock, nq);  // queries of a block at most (a single query's search: one)
     std::vector<float> q(static_cast<size_t>(most * t.dim));
-    std::vector<float> product(static_cast<size_t>(most * c.n_lists)), closeness(static_cast<size_t>(c.n_lists));
-    std::vector<int64_t> order(static_cast<size_t>(c.n_lists));
+    std::vector<float> product(static_cast<size_t>(most * c.n_lists));
+    std::vector<std::pair<float, int64_t>> order(static_cast<size_t>(c.n_lists));  // (closeness, list)
     for (size_t block = begin; block < end; ++block) {
       const int64_t first = static_cast<int64_t>(block) * kQueryBlock, g = std::min(kQueryBlock, nq - first);
       std::copy(queries + first * t.dim, queries + (first + g) * t.dim, q.begin());
@@ -403,15 +403,21 @@ void prepare_queries(const QueryTransform& t, const Coarse& c, const float* quer
         int64_t* out_probe = probe + i * n_probe;
         if (c.n_lists) {
           const float* p = product.data() + j * c.n_lists;
-          for (int64_t l = 0; l < c.n_lists; ++l) closeness[l] = c.half_squared ? p[l] - c.half_squared[l] : p[l];
-          std::iota(order.begin(), order.end(), int64_t{0});
-          std::partial_sort(order.begin(), order.begin() + n_probe, order.end(), [&](int64_t x, int64_t y) {
-            return closeness[x] > closeness[y] || (closeness[x] == closeness[y] && x < y);
-          });
+          for (int64_t l = 0; l < c.n_lists; ++l) {  // NaN (a bad query, refused later) as -inf: the order stays total
+            const float close = c.half_squared ? p[l] - c.half_squared[l] : p[l];
+            order[l] = {std::isnan(close) ? -std::numeric_limits<float>::infinity() : close, l};
+          }
+          // the n_probe closest first, ties to the lower list: a selection, then a sort of the selected (a partial
+          // sort's heap cost more on 128 lists)
+          auto closer = [](const std::pair<float, int64_t>& x, const std::pair<float, int64_t>& y) {
+            return x.first > y.first || (x.first == y.first && x.second < y.second);
+          };
+          if (n_probe < c.n_lists) std::nth_element(order.begin(), order.begin() + (n_probe - 1), order.end(), closer);
+          std::sort(order.begin(), order.begin() + n_probe, closer);
           const float base = c.base ? dot(v, c.base, t.dim) : 0.0f;
           for (int64_t k = 0; k < n_probe; ++k) {
-            out_probe[k] = order[k];
-            out_probe_constant[k] = c.residual ? p[order[k]] : base;
+            out_probe[k] = order[k].second;
+            out_probe_constant[k] = c.residual ? p[order[k].second] : base;
           }
         } else {
           out_probe[0] = 0;
