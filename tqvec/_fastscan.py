@@ -313,7 +313,9 @@ class QuerySearch:
         """Top-``k`` of raw ``queries`` ``(nq, dim)`` C-contiguous float32 (shape and dtype validated by the caller),
         prepared as ``prep`` says, probing ``nprobe`` lists when it has centroids. The kernel checks the queries'
         values as :func:`tqvec.validation.check_array_norms` does (the same ``ValueError``: NaN or Inf, or a row's
-        squared norm beyond ``MAX_SQUARED_NORM``) before it scans.
+        squared norm beyond ``MAX_SQUARED_NORM``) and returns nothing for a batch that holds such a row (an
+        inverted-file batch on several threads is checked chunk by chunk, each chunk before its scan; other searches
+        before any scan).
 
         Returns FAISS-style ``(D, I)`` ``(nq, k)``: ``I`` the ids of the best rows, ``D`` their scores, or with
         ``l2`` the distances ``‖q‖² − 2·score``; −1 and −inf (+inf for ``l2``) where fewer than ``k`` rows exist.
