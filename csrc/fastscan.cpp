@@ -415,9 +415,12 @@ __attribute__((target("avx2,fma"))) void quantize_tables(const Plan& plan, const
   for (int t = 0; t < plan.n_steps; ++t) {
     const float* row = lut + plan.offset[t];
     const int used = 1 << plan.width[t];
-    std::copy(row, row + used, entries);
-    std::fill(entries + used, entries + kLut, low[t]);  // entries past the step's codes: 0
-    store_quantized(_mm256_load_ps(entries), _mm256_load_ps(entries + 8), _mm256_set1_ps(low[t]), vscale, out[t]);
+    if (used < kLut) {  // entries past the step's codes: 0
+      std::copy(row, row + used, entries);
+      std::fill(entries + used, entries + kLut, low[t]);
+      row = entries;
+    }
+    store_quantized(_mm256_loadu_ps(row), _mm256_loadu_ps(row + 8), _mm256_set1_ps(low[t]), vscale, out[t]);
   }
   q.inv_scale = scale > 0.0f ? 1.0f / scale : 0.0f;
   q.offset = static_cast<float>(offset);
@@ -622,8 +625,8 @@ struct SimdSource {
   const StepOps* ops;
   const float* slack;         // null: one stage (keep the best rows by the 8-bit estimate)
   const ExactSteps* exact;    // two-stage: re-scoring steps of the search's plan, with runs (exact_dot_avx2)
-  const float* exact_luts;    // two-stage: (queries of the item, table entries of the search's plan)
-  size_t exact_entries;
+  const float* exact_luts;    // two-stage: (queries of the item, exact_entries) float tables of the search's plan
+  size_t exact_entries;       // the tables' entries per query: 0 where the exact scores read none
   const float* exact_queries;  // two-stage: (queries of the item, dim) rotated queries in run_query_order
 };
 
@@ -1436,11 +1439,11 @@ const char* search(const SearchArgs& a, Isa max_isa) {
 #else
   const auto tables = float_tables;
 #endif
-  // uninitialized: the two-stage scan fills (and reads) only the tables of the steps its exact scores look up (none
-  // where every step is in a run: most codes of 3 and 4 bits)
-  const size_t lut_floats = two_stage && steps.exact_runs.table_steps.empty() ? 0 : table_entries(a.plan) * static_cast<size_t>(group);
+  // each query's float tables, uninitialized: the two-stage scan fills (and reads) only the tables of the steps its
+  // exact scores look up (none where every step is in a run: most codes of 3 and 4 bits; then no space at all)
+  const size_t lut_stride = two_stage && steps.exact_runs.table_steps.empty() ? 0 : table_entries(a.plan);
   auto scan_items = [&](size_t begin, size_t end) {
-    std::unique_ptr<float[]> luts(new float[lut_floats]);
+    std::unique_ptr<float[]> luts(new float[lut_stride * static_cast<size_t>(group)]);
     std::vector<float> sign_scratch;
     // one query's float tables of the first stage, quantized at once (a sign plan's are made from the query itself)
     std::unique_ptr<float[]> first_luts(new float[two_stage && !a.signs->sign_bits ? table_entries(table_plan) : 0]);
@@ -1452,7 +1455,7 @@ const char* search(const SearchArgs& a, Isa max_isa) {
 #endif
       for (int64_t q = w.query; q < w.query_end; ++q) {
         const float* query = a.queries + q * a.dim;
-        float* lut = luts.get() + (q - w.query) * table_entries(a.plan);
+        float* lut = luts.get() + (q - w.query) * lut_stride;
         if (two_stage) {
           tables(a.plan, &steps.exact_runs.table_steps, query, lut);
 #ifdef TQVEC_X86
@@ -1478,7 +1481,7 @@ const char* search(const SearchArgs& a, Isa max_isa) {
       if (simd) {
         if (avx512) quantized.widen(ops);
         const SimdSource src{blocks, &table_plan, &ops, two_stage ? a.signs->slack : nullptr, &steps.exact_runs, luts.get(),
-                             table_entries(a.plan), exact_queries.get()};
+                             lut_stride, exact_queries.get()};
         scan_avx2(a, w, quantized, best, src, avx512);
       } else {
         scan_exact(a, exact, w, luts.get(), best[0]);
@@ -1489,7 +1492,7 @@ const char* search(const SearchArgs& a, Isa max_isa) {
       for (size_t j = 0; j < best.size(); ++j) {
         std::vector<Candidate>& cands = best[j].items();
         if (simd && !two_stage) {  // exact scores for the candidates of the 8-bit estimate, with this item's float tables
-          const float* lut = luts.get() + j * table_entries(a.plan);
+          const float* lut = luts.get() + j * lut_stride;
           for (Candidate& c : cands)
             c.score = finish(a.rows, c.row, exact_dot(exact, lut, a.rows.packed + c.row * a.rows.row_bytes), c.constant);
           best[j].exact += static_cast<int64_t>(cands.size());
