@@ -3,6 +3,7 @@
 
 #include "int8_scan.h"
 #include "parallel.h"
+#include "scratch.h"
 #include "vector_math.h"
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -430,15 +432,18 @@ __attribute__((target("avx2,fma"))) void quantize_tables(const Plan& plan, const
 // +1 where bit j of the entry is set, else -1), made from the query without float tables: with P_j = 2 max(q_j, 0)
 // and N_j = 2 max(-q_j, 0), entry e less the step's low end -sum_j |q_j| is sum_j (bit j of e ? P_j : N_j), and the
 // step's span is 2 sum_j |q_j|.
-// `pn`: scratch, resized here.
+// The channels of a sign plan of n_steps steps, padded to whole passes of sign_tables (32 channels).
+inline size_t sign_padded_channels(int n_steps) { return (static_cast<size_t>(n_steps) * 4 + 31) / 32 * 32; }
+
+// `pn`: scratch of 2 * sign_padded_channels(n_steps) floats, any content.
 __attribute__((target("avx2,fma"))) void sign_tables(const float* query, int64_t channels, int n_steps, Lut32* out, TableScale& q,
-                                                     std::vector<float>& pn) {
+                                                     float* pn) {
   // P and N of every channel (zero past the last), 8 channels (2 steps) at a time; per 8 steps their spans
-  const size_t padded = (static_cast<size_t>(n_steps) * 4 + 31) / 32 * 32;
-  pn.assign(2 * padded, 0.0f);
-  float* p = pn.data();
+  const size_t padded = sign_padded_channels(n_steps);
+  float* p = pn;
   float* n = p + padded;
   std::copy(query, query + channels, p);
+  std::fill(p + channels, p + padded, 0.0f);
   const __m256 zero = _mm256_setzero_ps();
   __m256 widest = zero;
   __m256d offset = _mm256_setzero_pd();
@@ -634,25 +639,32 @@ struct SimdSource {
 // see quantize_tables and sign_tables), and with AVX-512 the Lut64 of each byte pair of the pair runs (steps t and
 // t + 2 side by side, made by widen).
 struct GroupTables {
+  struct ScaleSite;
+  struct NarrowSite;
+  struct WideSite;
+
   int n_steps;
-  std::vector<TableScale> scale;  // per query
-  std::vector<Lut32> narrow;      // (queries, n_steps)
-  std::unique_ptr<Lut64[]> wide;  // (queries, n_steps), or null
+  int64_t group;
+  Scratch<TableScale, ScaleSite> scale;           // per query
+  Scratch<Lut32, NarrowSite> narrow;              // (queries, n_steps), uninitialized until written
+  std::optional<Scratch<Lut64, WideSite>> wide;   // (queries, n_steps), after widen
 
-  GroupTables(int steps, int64_t group) : n_steps(steps), scale(group), narrow(static_cast<size_t>(group * steps)) {}
+  GroupTables(int steps, int64_t queries)
+      : n_steps(steps), group(queries), scale(static_cast<size_t>(queries)), narrow(static_cast<size_t>(queries * steps)) {}
 
-  Lut32* of(int64_t j) { return narrow.data() + j * n_steps; }
+  Lut32* of(int64_t j) { return narrow.get() + j * n_steps; }
+  const Lut32* narrow_of(int64_t j) const { return narrow.get() + j * n_steps; }
+  const Lut64* wide_of(int64_t j) const { return wide ? wide->get() + j * n_steps : nullptr; }
 
   void widen(const StepOps& ops) {
-    const int64_t group = static_cast<int64_t>(scale.size());
-    wide.reset(new Lut64[static_cast<size_t>(group * n_steps)]);
+    wide.emplace(static_cast<size_t>(group * n_steps));
     for (int64_t j = 0; j < group; ++j) {
-      const Lut32* row = narrow.data() + j * n_steps;
+      const Lut32* row = narrow.get() + j * n_steps;
       for (const PairRun& run : ops.pairs)
         for (int m = 0; 2 * m + 1 < run.count; ++m)
           for (int h = 0; h < 2; ++h) {
             const int t = run.lut + 4 * m + h;
-            Lut64& lut = wide[j * n_steps + t];
+            Lut64& lut = (*wide)[static_cast<size_t>(j * n_steps + t)];
             std::memcpy(lut.bytes, row[t].bytes, sizeof(Lut32));
             std::memcpy(lut.bytes + sizeof(Lut32), row[t + 2].bytes, sizeof(Lut32));
           }
@@ -736,17 +748,28 @@ constexpr __mmask16 kAll16 = 0xFFFF, kLow8 = 0x00FF;
 __attribute__((target("avx512f,avx512bw,avx2,fma"))) float exact_dot_avx512(const ExactSteps& steps, const float* lut,
                                                                           const float* levels, const float* query,
                                                                           const uint8_t* row) {
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  __m256 acc3 = _mm256_setzero_ps();
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps(), acc3 = _mm512_setzero_ps();
+  __m256 three_bit_sum = _mm256_setzero_ps();
   for (const ExactSteps::Run& run : steps.runs) {
     const uint8_t* bytes = row + run.byte;
     const float* q = query + run.channel;
     if (run.width != 4) {
-      add_three_bit_run(run, bytes, levels, q, acc3);
+      add_three_bit_run(run, bytes, levels, q, three_bit_sum);
       continue;
     }
     const __m512 table = _mm512_loadu_ps(levels + run.level);
     int g = 0;
+    for (; g + 4 <= run.groups; g += 4) {  // two steps of the loop below, into two more sums (each sum's chain of
+      // multiply-adds, not the shuffle port, bounded the loop with two)
+      const __m512i even = _mm512_maskz_cvtepu8_epi32(kAll16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 8 * g)));
+      const __m512i odd = _mm512_maskz_srli_epi32(kAll16, even, 4);
+      const __m512i even2 = _mm512_maskz_cvtepu8_epi32(kAll16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 8 * g + 16)));
+      const __m512i odd2 = _mm512_maskz_srli_epi32(kAll16, even2, 4);
+      acc0 = _mm512_fmadd_ps(_mm512_maskz_permutexvar_ps(kAll16, even, table), _mm512_loadu_ps(q + 16 * g), acc0);
+      acc1 = _mm512_fmadd_ps(_mm512_maskz_permutexvar_ps(kAll16, odd, table), _mm512_loadu_ps(q + 16 * g + 16), acc1);
+      acc2 = _mm512_fmadd_ps(_mm512_maskz_permutexvar_ps(kAll16, even2, table), _mm512_loadu_ps(q + 16 * g + 32), acc2);
+      acc3 = _mm512_fmadd_ps(_mm512_maskz_permutexvar_ps(kAll16, odd2, table), _mm512_loadu_ps(q + 16 * g + 48), acc3);
+    }
     for (; g + 2 <= run.groups; g += 2) {  // 16 bytes: 16 even channels in the low nibbles, 16 odd in the high
       const __m512i even = _mm512_maskz_cvtepu8_epi32(kAll16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 8 * g)));
       const __m512i odd = _mm512_maskz_srli_epi32(kAll16, even, 4);  // the permute reads an index's low 4 bits
@@ -761,8 +784,8 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) float exact_dot_avx512(cons
     }
   }
   alignas(64) float part[16];
-  _mm512_store_ps(part, _mm512_add_ps(acc0, acc1));
-  const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_load_ps(part), _mm256_load_ps(part + 8)), acc3);
+  _mm512_store_ps(part, _mm512_add_ps(_mm512_add_ps(acc0, acc2), _mm512_add_ps(acc1, acc3)));
+  const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_load_ps(part), _mm256_load_ps(part + 8)), three_bit_sum);
   return lane_sum(sum) + exact_dot(steps, lut, row);
 }
 
@@ -1003,9 +1026,9 @@ __attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Wo
       const int64_t* ids = blocks.rows + b * kRowsPerBlock;
       for (int64_t j = 0; j < group; ++j) {
         if (avx512) {
-          block_sums_avx512(codes, *src.ops, tables.narrow.data() + j * plan.n_steps, tables.wide.get() + j * plan.n_steps, sums);
+          block_sums_avx512(codes, *src.ops, tables.narrow_of(j), tables.wide_of(j), sums);
         } else {
-          block_sums(codes, *src.ops, tables.narrow.data() + j * plan.n_steps, sums);
+          block_sums(codes, *src.ops, tables.narrow_of(j), sums);
         }
         const BlockQuery bq{scale, bias, slack, error && shifted[j] ? error : nullptr, ids, tables.scale[j].inv_scale,
                             tables.scale[j].offset, s.constant, two_stage ? span_reach[j] : 0.0f, two_stage ? rounding[j] : 0.0f};
@@ -1375,6 +1398,15 @@ SignStore arrange_high_bits(const Rows& rows, const Plan& plan, int64_t channels
   return out;
 }
 
+namespace {
+// search's per-thread scratch buffers (tqvec::Scratch): float tables, first-stage float tables, queries in run order,
+// sign tables' P and N
+struct FloatTablesSite;
+struct FirstTablesSite;
+struct ExactQueriesSite;
+struct SignTablesSite;
+}  // namespace
+
 const char* search(const SearchArgs& a, Isa max_isa) {
 #ifdef TQVEC_X86
   if (int8_batch(a, max_isa)) {
@@ -1443,11 +1475,13 @@ const char* search(const SearchArgs& a, Isa max_isa) {
   // exact scores look up (none where every step is in a run: most codes of 3 and 4 bits; then no space at all)
   const size_t lut_stride = two_stage && steps.exact_runs.table_steps.empty() ? 0 : table_entries(a.plan);
   auto scan_items = [&](size_t begin, size_t end) {
-    std::unique_ptr<float[]> luts(new float[lut_stride * static_cast<size_t>(group)]);
-    std::vector<float> sign_scratch;
+    const Scratch<float, FloatTablesSite> luts(lut_stride * static_cast<size_t>(group));
     // one query's float tables of the first stage, quantized at once (a sign plan's are made from the query itself)
-    std::unique_ptr<float[]> first_luts(new float[two_stage && !a.signs->sign_bits ? table_entries(table_plan) : 0]);
-    std::unique_ptr<float[]> exact_queries(new float[two_stage ? static_cast<size_t>(a.dim * group) : 0]);
+    const Scratch<float, FirstTablesSite> first_luts(two_stage && !a.signs->sign_bits ? table_entries(table_plan) : 0);
+    const Scratch<float, ExactQueriesSite> exact_queries(two_stage ? static_cast<size_t>(a.dim * group) : 0);
+#ifdef TQVEC_X86
+    const Scratch<float, SignTablesSite> sign_scratch(two_stage && a.signs->sign_bits ? 2 * sign_padded_channels(table_plan.n_steps) : 0);
+#endif
     for (size_t i = begin; i < end; ++i) {
       const Work& w = work[i];
 #ifdef TQVEC_X86
@@ -1463,7 +1497,7 @@ const char* search(const SearchArgs& a, Isa max_isa) {
                           exact_queries.get() + (q - w.query) * a.dim);
           if (a.signs->sign_bits) {
             sign_tables(query, a.signs->channels, table_plan.n_steps, quantized.of(q - w.query), quantized.scale[q - w.query],
-                        sign_scratch);
+                        sign_scratch.get());
           } else {
             tables(table_plan, nullptr, query, first_luts.get());
             quantize_tables(table_plan, first_luts.get(), quantized.of(q - w.query), quantized.scale[q - w.query]);

@@ -23,6 +23,7 @@
 #include "int8_scan.h"
 #include "parallel.h"
 #include "queries.h"
+#include "scratch.h"
 
 namespace nb = nanobind;
 
@@ -301,6 +302,11 @@ void check_query_norms(const std::vector<double>& squared, double bound) {
     }
 }
 
+// search_queries' scratch buffers on the calling thread (tqvec::Scratch): rotated queries, probed lists' constants, lists
+struct RotatedSite;
+struct ProbeConstantSite;
+struct ProbeSite;
+
 // An inverted-file batch is prepared and searched in chunks, one thread per chunk, when each thread has this many queries
 // at least; a chunk holds nq / (8 threads) queries, at most kPairedMaxChunk (the preparation's block: they share each
 // pass over the centroids).
@@ -389,19 +395,18 @@ nb::tuple search_queries(const PlanHandle& plan, const RowsHandle& source, const
     check_query_norms(squared, bound);
     kernel = used.load();
   } else {
-    // uninitialized: the preparation writes every entry (zeroing a large batch's rotated queries on the calling
-    // thread kept the pool waiting)
-    std::unique_ptr<float[]> rotated(new float[static_cast<size_t>(nq * out_dim)]), constant(new float[static_cast<size_t>(nq * n_probe)]);
-    std::unique_ptr<int64_t[]> probe(new int64_t[static_cast<size_t>(nq * n_probe)]);
-    {
-      nb::gil_scoped_release release;
-      tqvec::prepare_queries(prep.transform(), coarse, queries.data(), nq, threads, isa_of(max_isa), squared.data(), rotated.get(),
-                             probe.get(), constant.get());
-    }
+    // the calling thread's buffers (tqvec::Scratch), uninitialized: the preparation writes every entry (zeroing a
+    // large batch's rotated queries on the calling thread kept the pool waiting)
+    const tqvec::Scratch<float, RotatedSite> rotated(static_cast<size_t>(nq * out_dim));
+    const tqvec::Scratch<float, ProbeConstantSite> constant(static_cast<size_t>(nq * n_probe));
+    const tqvec::Scratch<int64_t, ProbeSite> probe(static_cast<size_t>(nq * n_probe));
+    const tqvec::SearchArgs args = search_args(plan, source, rotated.get(), nq, out_dim, probe.get(), constant.get(), n_probe, k,
+                                               rescore, confidence, threads, distances, labels);
+    nb::gil_scoped_release release;  // once for the whole search (an error raised below takes the GIL back)
+    tqvec::prepare_queries(prep.transform(), coarse, queries.data(), nq, threads, isa_of(max_isa), squared.data(), rotated.get(),
+                           probe.get(), constant.get());
     check_query_norms(squared, bound);
-    kernel = run_search(plan, source, rotated.get(), nq, out_dim, probe.get(), constant.get(), n_probe, k, rescore, confidence,
-                        threads, max_isa, distances, labels);
-    nb::gil_scoped_release release;
+    kernel = tqvec::search(args, isa_of(max_isa));
     tqvec::parallel_for(static_cast<size_t>(nq), threads, [&](size_t begin, size_t end) {
       for (size_t i = begin; i < end; ++i) answer(static_cast<int64_t>(i));
     }, 256);

@@ -8,6 +8,7 @@
 
 #include "fastscan.h"
 #include "parallel.h"
+#include "scratch.h"
 #include "vector_math.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -368,6 +369,17 @@ Rotate pick_rotate(Isa max_isa) {
   return rotate_scalar;
 }
 
+// A list's closeness to a query (the larger the closer).
+struct Closeness {
+  float value;
+  int64_t list;
+};
+
+// the preparation's scratch buffers (tqvec::Scratch): a block's queries, their centroid products, the lists' order
+struct PrepQueries;
+struct PrepProducts;
+struct PrepOrder;
+
 }  // namespace
 
 void prepare_queries(const QueryTransform& t, const Coarse& c, const float* queries, int64_t nq, int threads,
@@ -383,41 +395,42 @@ void prepare_queries(const QueryTransform& t, const Coarse& c, const float* quer
   const size_t blocks = static_cast<size_t>((nq + kQueryBlock - 1) / kQueryBlock);
   parallel_for(blocks, threads, [&](size_t begin, size_t end) {
     const int64_t most = std::min(kQueryBlock, nq);  // queries of a block at most (a single query's search: one)
-    std::vector<float> q(static_cast<size_t>(most * t.dim));
-    std::vector<float> product(static_cast<size_t>(most * c.n_lists));
-    std::vector<std::pair<float, int64_t>> order(static_cast<size_t>(c.n_lists));  // (closeness, list)
+    const Scratch<float, PrepQueries> q(static_cast<size_t>(most * t.dim));
+    const Scratch<float, PrepProducts> product(static_cast<size_t>(most * c.n_lists));
+    const Scratch<Closeness, PrepOrder> order(static_cast<size_t>(c.n_lists));
     for (size_t block = begin; block < end; ++block) {
       const int64_t first = static_cast<int64_t>(block) * kQueryBlock, g = std::min(kQueryBlock, nq - first);
-      std::copy(queries + first * t.dim, queries + (first + g) * t.dim, q.begin());
-      for (int64_t j = 0; j < g; ++j) squared[first + j] = squared_norm(q.data() + j * t.dim, t.dim);
+      std::copy(queries + first * t.dim, queries + (first + g) * t.dim, q.get());
+      for (int64_t j = 0; j < g; ++j) squared[first + j] = squared_norm(q.get() + j * t.dim, t.dim);
       for (int64_t j = 0; t.normalize && j < g; ++j) {
-        float* v = q.data() + j * t.dim;
+        float* v = q.get() + j * t.dim;
         const float scale = 1.0f / std::max(std::sqrt(dot(v, v, t.dim)), kNormalizeEps);
         for (int64_t d = 0; d < t.dim; ++d) v[d] *= scale;
       }
-      if (c.n_lists) matmat(c.centroids, c.n_lists, t.dim, q.data(), g, product.data());
+      if (c.n_lists) matmat(c.centroids, c.n_lists, t.dim, q.get(), g, product.get());
       for (int64_t j = 0; j < g; ++j) {
         const int64_t i = first + j;
-        float* v = q.data() + j * t.dim;
+        float* v = q.get() + j * t.dim;
         float* out_probe_constant = probe_constant + i * n_probe;
         int64_t* out_probe = probe + i * n_probe;
         if (c.n_lists) {
-          const float* p = product.data() + j * c.n_lists;
+          const float* p = product.get() + j * c.n_lists;
           for (int64_t l = 0; l < c.n_lists; ++l) {  // NaN (a bad query, refused later) as -inf: the order stays total
             const float close = c.half_squared ? p[l] - c.half_squared[l] : p[l];
             order[l] = {std::isnan(close) ? -std::numeric_limits<float>::infinity() : close, l};
           }
           // the n_probe closest first, ties to the lower list: a selection, then a sort of the selected (a partial
           // sort's heap cost more on 128 lists)
-          auto closer = [](const std::pair<float, int64_t>& x, const std::pair<float, int64_t>& y) {
-            return x.first > y.first || (x.first == y.first && x.second < y.second);
+          auto closer = [](const Closeness& x, const Closeness& y) {
+            return x.value > y.value || (x.value == y.value && x.list < y.list);
           };
-          if (n_probe < c.n_lists) std::nth_element(order.begin(), order.begin() + (n_probe - 1), order.end(), closer);
-          std::sort(order.begin(), order.begin() + n_probe, closer);
+          Closeness* lists = order.get();
+          if (n_probe < c.n_lists) std::nth_element(lists, lists + (n_probe - 1), lists + c.n_lists, closer);
+          std::sort(lists, lists + n_probe, closer);
           const float base = c.base ? dot(v, c.base, t.dim) : 0.0f;
           for (int64_t k = 0; k < n_probe; ++k) {
-            out_probe[k] = order[k].second;
-            out_probe_constant[k] = c.residual ? p[order[k].second] : base;
+            out_probe[k] = lists[k].list;
+            out_probe_constant[k] = c.residual ? p[lists[k].list] : base;
           }
         } else {
           out_probe[0] = 0;
@@ -428,12 +441,12 @@ void prepare_queries(const QueryTransform& t, const Coarse& c, const float* quer
       }
       float* out = rotated + first * t.out_dim;
       if (t.rotation) {
-        matmat(t.rotation, t.out_dim, t.dim, q.data(), g, out);
+        matmat(t.rotation, t.out_dim, t.dim, q.get(), g, out);
         continue;
       }
       for (int64_t j = 0; j < g; ++j) {
         float* v = out + j * t.out_dim;
-        std::copy(q.begin() + j * t.dim, q.begin() + (j + 1) * t.dim, v);
+        std::copy(q.get() + j * t.dim, q.get() + (j + 1) * t.dim, v);
         std::fill(v + t.dim, v + t.out_dim, 0.0f);
         rotate(t, v);
       }
