@@ -789,54 +789,6 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) float exact_dot_avx512(cons
   return lane_sum(sum) + exact_dot(steps, lut, row);
 }
 
-// Rows of one sign block that one query of a work item scores exactly (two-stage scan): lanes[0 .. n) of block b, in
-// the group whose constant is `constant`. Their codes come from the slot-ordered copy, or where there is none (one
-// group in row order) from the stored rows.
-struct Refinement {
-  int64_t b, j;
-  float constant;
-  int n;
-  int lanes[kRowsPerBlock];
-};
-
-inline const uint8_t* refined_row(const SearchArgs& a, int64_t slot) {
-  const SignBlocks& signs = *a.signs;
-  return signs.codes ? signs.codes + slot * a.rows.row_bytes : a.rows.packed + signs.blocks.rows[slot] * a.rows.row_bytes;
-}
-
-// Starts loading the codes of the rows of `r` (scored a block later, when they have arrived). An asm statement:
-// GCC 12 compiled __builtin_prefetch / _mm_prefetch here to nothing.
-__attribute__((target("avx2,fma"))) inline void prefetch_rows(const SearchArgs& a, const Refinement& r) {
-  for (int i = 0; i < r.n; ++i) {
-    const char* row = reinterpret_cast<const char*>(refined_row(a, r.b * kRowsPerBlock + r.lanes[i]));
-    for (int64_t line = 0; line < a.rows.row_bytes; line += 64) asm volatile("prefetcht0 %0" : : "m"(row[line]));
-  }
-}
-
-// Scores the rows of `r` exactly for its query (rotated `query`) and offers them to `best`.
-__attribute__((target("avx2,fma"))) inline void refine(const SearchArgs& a, const SimdSource& src, const Refinement& r,
-                                                     const float* query, BestRows& best, bool avx512) {
-  const SignBlocks& signs = *a.signs;
-  const float* lut = src.exact_luts + r.j * src.exact_entries;
-  best.exact += r.n;
-  for (int i = 0; i < r.n; ++i) {
-    const int64_t slot = r.b * kRowsPerBlock + r.lanes[i];
-    const uint8_t* row = refined_row(a, slot);
-    const float dot = avx512 ? exact_dot_avx512(*src.exact, lut, a.plan.level, query, row)
-                             : exact_dot_avx2(*src.exact, lut, a.plan.level, query, row);
-    best.push(signs.scale[slot] * dot + signs.blocks.bias[slot] + r.constant, signs.blocks.rows[slot], r.constant);
-  }
-}
-
-// Scores the waiting refinements of the work item, then makes the arriving ones wait.
-__attribute__((target("avx2,fma"))) inline void refine_all(const SearchArgs& a, const SimdSource& src,
-                                                         std::vector<Refinement>& waiting, std::vector<Refinement>& arriving,
-                                                         std::vector<BestRows>& best, bool avx512) {
-  for (const Refinement& r : waiting) refine(a, src, r, src.exact_queries + r.j * a.dim, best[r.j], avx512);
-  waiting.swap(arriving);
-  arriving.clear();
-}
-
 // The `capacity` largest lower bounds seen so far: while it is full, a row whose upper bound is below its smallest
 // cannot be among the best `capacity` (that many rows score at least their lower bounds, above it). Up to
 // kSortedBounds of them are kept in a sorted array (an insertion moves the few smaller ones: most bounds that enter
@@ -876,6 +828,72 @@ class LowerBounds {
   float sorted_[kSortedBounds];
   std::vector<float> heap_;
 };
+
+// Rows of one sign block that one query of a work item scores exactly (two-stage scan): lanes[0 .. n) of block b, in
+// the group whose constant is `constant`. Their codes come from the slot-ordered copy, or where there is none (one
+// group in row order) from the stored rows.
+struct Refinement {
+  int64_t b, j;
+  float constant;
+  int n;
+  int lanes[kRowsPerBlock];
+  float upper[kRowsPerBlock];  // the lanes' upper ends
+};
+
+inline const uint8_t* refined_row(const SearchArgs& a, int64_t slot) {
+  const SignBlocks& signs = *a.signs;
+  return signs.codes ? signs.codes + slot * a.rows.row_bytes : a.rows.packed + signs.blocks.rows[slot] * a.rows.row_bytes;
+}
+
+// Starts loading the codes of the rows of `r` (scored a block later, when they have arrived). An asm statement:
+// GCC 12 compiled __builtin_prefetch / _mm_prefetch here to nothing.
+__attribute__((target("avx2,fma"))) inline void prefetch_rows(const SearchArgs& a, const Refinement& r) {
+  for (int i = 0; i < r.n; ++i) {
+    const char* row = reinterpret_cast<const char*>(refined_row(a, r.b * kRowsPerBlock + r.lanes[i]));
+    for (int64_t line = 0; line < a.rows.row_bytes; line += 64) asm volatile("prefetcht0 %0" : : "m"(row[line]));
+  }
+}
+
+// Scores the rows of `r` exactly for its query (rotated `query`) and offers them to `best`, the highest upper end first;
+// a row whose upper end no longer beats the query's k-th exact score or reaches its k-th largest lower end (`floor`:
+// both rose since the row was queued) is not scored.
+__attribute__((target("avx2,fma"))) inline void refine(const SearchArgs& a, const SimdSource& src, Refinement& r,
+                                                     const float* query, BestRows& best, const LowerBounds& floor, bool avx512) {
+  const SignBlocks& signs = *a.signs;
+  const float* lut = src.exact_luts + r.j * src.exact_entries;
+  for (int i = 1; i < r.n; ++i) {  // an insertion sort: a block holds few such rows
+    const float upper = r.upper[i];
+    const int lane = r.lanes[i];
+    int m = i;
+    for (; m > 0 && r.upper[m - 1] < upper; --m) {
+      r.upper[m] = r.upper[m - 1];
+      r.lanes[m] = r.lanes[m - 1];
+    }
+    r.upper[m] = upper;
+    r.lanes[m] = lane;
+  }
+  const float reachable = floor.threshold();
+  for (int i = 0; i < r.n; ++i) {
+    if (!(r.upper[i] > best.threshold() && r.upper[i] >= reachable)) break;  // nor any later row: sorted
+    ++best.exact;
+    const int64_t slot = r.b * kRowsPerBlock + r.lanes[i];
+    const uint8_t* row = refined_row(a, slot);
+    const float dot = avx512 ? exact_dot_avx512(*src.exact, lut, a.plan.level, query, row)
+                             : exact_dot_avx2(*src.exact, lut, a.plan.level, query, row);
+    best.push(signs.scale[slot] * dot + signs.blocks.bias[slot] + r.constant, signs.blocks.rows[slot], r.constant);
+  }
+}
+
+// Scores the waiting refinements of the work item, then makes the arriving ones wait.
+__attribute__((target("avx2,fma"))) inline void refine_all(const SearchArgs& a, const SimdSource& src,
+                                                         std::vector<Refinement>& waiting, std::vector<Refinement>& arriving,
+                                                         std::vector<BestRows>& best, const std::vector<LowerBounds>& floor,
+                                                         bool avx512) {
+  for (Refinement& r : waiting) refine(a, src, r, src.exact_queries + r.j * a.dim, best[r.j], floor[r.j], avx512);
+  waiting.swap(arriving);
+  arriving.clear();
+}
+
 
 // One query's view of one block for settling its 32 estimates (scan_avx2): the block's side fields in lane order and
 // the query's constants.
@@ -924,6 +942,7 @@ __attribute__((target("avx2,fma"))) void settle_avx2(const __m256i* sums, const 
     for (; passing; passing &= passing - 1) {
       const int i = __builtin_ctz(passing);
       if (floor) {
+        r.upper[r.n] = score[i];
         r.lanes[r.n++] = 8 * g + i;
       } else {
         best.push(score[i], q.ids[8 * g + i], q.constant);
@@ -969,6 +988,7 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) void settle_avx512(const __
     for (; passing; passing &= passing - 1) {
       const int i = __builtin_ctz(passing);
       if (floor) {
+        r.upper[r.n] = score[i];
         r.lanes[r.n++] = 16 * h + i;
       } else {
         best.push(score[i], q.ids[16 * h + i], q.constant);
@@ -1044,10 +1064,10 @@ __attribute__((target("avx2,fma"))) void scan_avx2(const SearchArgs& a, const Wo
           arriving.push_back(r);
         }
       }
-      if (two_stage) refine_all(a, src, waiting, arriving, best, avx512);
+      if (two_stage) refine_all(a, src, waiting, arriving, best, floor, avx512);
     }
   }
-  if (two_stage) refine_all(a, src, waiting, arriving, best, avx512);
+  if (two_stage) refine_all(a, src, waiting, arriving, best, floor, avx512);
 }
 #endif  // TQVEC_X86
 

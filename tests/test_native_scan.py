@@ -329,6 +329,36 @@ def test_two_stage_scores_exactly_only_rows_that_can_reach_the_top_k(two_stage: 
     _assert_same_results((reference[0].numpy(), reference[1].numpy()), (values, rows))
 
 
+def test_two_stage_scores_queued_rows_best_first_and_drops_those_passed(two_stage: str) -> None:
+    """Two blocks: 32 rows at a middling angle to the query, then 32 nearer ones at graded angles. The first block's
+    rows are queued for an exact score (each reaches the 10th largest lower bound of its block) and wait while the
+    second block's first stage runs, whose lower bounds then pass their upper bounds: none of them is scored (as
+    queued, all 32 were). A block's queued rows are scored highest upper end first, each only while it can still
+    enter the top 10, so the number scored does not depend on the rows' order in the block (in scan order, the
+    second block reversed scores more). The answers are the reference's."""
+    dim, bits = 256, _TWO_STAGE_BITS[two_stage]
+    rng = np.random.default_rng(23)
+    query, other = rng.standard_normal((2, dim)).astype(np.float32)
+    middling = 0.5 * query + other + 0.2 * rng.standard_normal((32, dim)).astype(np.float32)
+    closeness = np.linspace(1.0, 0.5, 32, dtype=np.float32)[:, None]
+    near = closeness * query + (1 - closeness) * other + 0.05 * rng.standard_normal((32, dim)).astype(np.float32)
+    quantizer = TurboQuantizer(dim, bits, seed=7)
+    plan = quantizer.table("cpu").native_plan()
+    assert _fastscan.layout(plan) == two_stage
+    rotated, _ = quantizer.rotate_queries(query[None])
+    scored = []
+    for second in (near, near[::-1]):
+        codes = quantizer.encode(np.concatenate([middling, second]))
+        source = _fastscan.rows(codes.packed, codes.scales, None, plan)
+        values, rows, _, exact = _fastscan._native.search(plan.handle, source, rotated.numpy(), *_fastscan._NO_PROBE, 10,
+                                                          _fastscan.rescore_count(10), _fastscan.CONFIDENCE, 1,
+                                                          _fastscan.MAX_ISA)
+        reference = scan._search_torch(rotated, quantizer.code_block(codes), quantizer.table("cpu"), 10, None)
+        _assert_same_results((reference[0].numpy(), reference[1].numpy()), (values, rows))
+        scored.append(int(exact.reshape(-1)[0]))
+    assert scored[0] == scored[1] < 32, scored
+
+
 @pytest.mark.parametrize("k", [1, 32, 33, 70])
 def test_two_stage_keeps_the_top_k_for_any_k(kernel, k: int) -> None:
     """The two-stage scan keeps the k largest lower bounds in a sorted array up to 32 of them and in a heap beyond:
