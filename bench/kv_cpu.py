@@ -33,6 +33,7 @@ from transformers import Cache, DynamicCache, QuantizedCache
 
 from tqvec.kv import TurboQuantCache
 from tqvec.kv import evaluate as ev
+from tqvec.kv.cache import CodedCache
 
 from ._memory import reset_peak, status_kib
 
@@ -62,7 +63,9 @@ def dynamic_nbytes(cache: Cache) -> int:
 
 
 def cache_nbytes(cache: Cache) -> int:
-    if isinstance(cache, TurboQuantCache):
+    """Bytes a cache holds: tqvec's caches (``TurboQuantCache``, ``StaticTurboQuantCache``) by their ``nbytes()``,
+    quanto's and transformers' dynamic caches by their tensors."""
+    if isinstance(cache, CodedCache):
         return cache.nbytes()
     if isinstance(cache, QuantizedCache):
         return quanto_nbytes(cache)

@@ -18,6 +18,7 @@ from kv_models import tiny_llama  # noqa: E402 (tests/support)
 from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
 from transformers import CompileConfig, DynamicCache  # noqa: E402
 
+from tqvec.bench.kv_cpu import cache_nbytes  # noqa: E402
 from tqvec.kv import StaticTurboQuantCache, StaticTurboQuantLayer, TurboQuantCache  # noqa: E402
 from tqvec.kv.attention import compressed_attention, static_decode_step  # noqa: E402
 from tqvec.kv.codec import HeadCodec  # noqa: E402
@@ -354,3 +355,4 @@ def test_nbytes_counts_every_buffer(model) -> None:
     per_layer = (2 * b * h * (SINKS + WINDOW + 1) * d * 4 + 2 * b * h * (96 - SINKS) * (8 + 2) + 2 * b * h * d * 4
                  + 2 * 8 + b * 96)
     assert static.nbytes() == model.config.num_hidden_layers * per_layer
+    assert cache_nbytes(static) == static.nbytes()  # the benchmarks' cache bytes (they read 0 for a static cache)
