@@ -302,7 +302,8 @@ void check_query_norms(const std::vector<double>& squared, double bound) {
     }
 }
 
-// search_queries' scratch buffers on the calling thread (tqvec::Scratch): rotated queries, probed lists' constants, lists
+// search_queries' scratch buffers (tqvec::Scratch; the calling thread's, or a pool thread's for a chunk of an
+// inverted-file batch): rotated queries, probed lists' constants, lists
 struct RotatedSite;
 struct ProbeConstantSite;
 struct ProbeSite;
@@ -371,9 +372,9 @@ nb::tuple search_queries(const PlanHandle& plan, const RowsHandle& source, const
     {
       nb::gil_scoped_release release;
       tqvec::parallel_for(static_cast<size_t>((nq + chunk - 1) / chunk), threads, [&](size_t begin, size_t end) {
-        std::unique_ptr<float[]> rotated(new float[static_cast<size_t>(chunk * out_dim)]);
-        std::unique_ptr<float[]> constant(new float[static_cast<size_t>(chunk * n_probe)]);
-        std::unique_ptr<int64_t[]> probe(new int64_t[static_cast<size_t>(chunk * n_probe)]);
+        const tqvec::Scratch<float, RotatedSite> rotated(static_cast<size_t>(chunk * out_dim));
+        const tqvec::Scratch<float, ProbeConstantSite> constant(static_cast<size_t>(chunk * n_probe));
+        const tqvec::Scratch<int64_t, ProbeSite> probe(static_cast<size_t>(chunk * n_probe));
         for (size_t c = begin; c < end; ++c) {
           const int64_t first = static_cast<int64_t>(c) * chunk, g = std::min(chunk, nq - first);
           tqvec::prepare_queries(prep.transform(), coarse, queries.data() + first * dim, g, 1, isa_of(max_isa), squared.data() + first,
