@@ -439,6 +439,22 @@ def test_threads_do_not_change_results(kernel) -> None:
             assert np.array_equal(one[1], many[1]) and np.array_equal(one[0], many[0])
 
 
+@pytest.mark.parametrize("rotation", ["haar", "fht-kac"])
+def test_a_batch_answers_each_query_as_alone(kernel, rotation: str) -> None:
+    """Queries are prepared in blocks (each row of the centroids and of a Haar matrix read once for the block): a
+    query's answer, distances bit for bit, does not depend on its block mates (batches of 2 to 11 queries)."""
+    x, q = _data(3000, 100, seed=34), _data(11, 100, seed=35)
+    ivf = IVFIndex(100, 16, 4, "l2", rotation=rotation, seed=3)
+    ivf.add(x)
+    kernel("native")
+    with torch_threads(1):
+        alone = [ivf.search(q[i:i + 1], 10, nprobe=4) for i in range(len(q))]
+        for n in range(2, len(q) + 1):
+            distances, ids = ivf.search(q[:n], 10, nprobe=4)
+            for i in range(n):
+                assert np.array_equal(ids[i], alone[i][1][0]) and np.array_equal(distances[i], alone[i][0][0]), (n, i)
+
+
 def test_concurrent_searches_share_the_thread_pool(kernel) -> None:
     """Searches from several Python threads at once, each on several native threads (one shared pool), return what
     one thread returns alone."""
