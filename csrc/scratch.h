@@ -32,6 +32,7 @@ class Scratch {
     if (buffer_.leased) throw std::logic_error("a scratch buffer was leased twice on one thread");
     if (buffer_.size < n) {
       buffer_.data.reset();  // the old storage first: the peak stays one buffer
+      buffer_.size = 0;      // and no stale size if the allocation below throws
       buffer_.data.reset(new (std::align_val_t(std::max(kScratchAlign, alignof(T)))) T[n]);
       buffer_.size = n;
     }
