@@ -428,14 +428,13 @@ __attribute__((target("avx2,fma"))) void quantize_tables(const Plan& plan, const
   q.offset = static_cast<float>(offset);
 }
 
-// quantize_tables of a sign plan (arrange_signs: step t covers channels 4t .. 4t + 3 of the rotated `query`, level
-// +1 where bit j of the entry is set, else -1), made from the query without float tables: with P_j = 2 max(q_j, 0)
-// and N_j = 2 max(-q_j, 0), entry e less the step's low end -sum_j |q_j| is sum_j (bit j of e ? P_j : N_j), and the
-// step's span is 2 sum_j |q_j|.
 // The channels of a sign plan of n_steps steps, padded to whole passes of sign_tables (32 channels).
 inline size_t sign_padded_channels(int n_steps) { return (static_cast<size_t>(n_steps) * 4 + 31) / 32 * 32; }
 
-// `pn`: scratch of 2 * sign_padded_channels(n_steps) floats, any content.
+// quantize_tables of a sign plan (arrange_signs: step t covers channels 4t .. 4t + 3 of the rotated `query`, level
+// +1 where bit j of the entry is set, else -1), made from the query without float tables: with P_j = 2 max(q_j, 0)
+// and N_j = 2 max(-q_j, 0), entry e less the step's low end -sum_j |q_j| is sum_j (bit j of e ? P_j : N_j), and the
+// step's span is 2 sum_j |q_j|. `pn`: scratch of 2 * sign_padded_channels(n_steps) floats, any content.
 __attribute__((target("avx2,fma"))) void sign_tables(const float* query, int64_t channels, int n_steps, Lut32* out, TableScale& q,
                                                      float* pn) {
   // P and N of every channel (zero past the last), 8 channels (2 steps) at a time; per 8 steps their spans
@@ -907,6 +906,21 @@ struct BlockQuery {
   float reach, rounding;              // two stages: the bound is reach * slack + rounding * |gain|
 };
 
+// The lanes set in `passing` of a group of lanes from `first` on, `score` their values (from lane `first`): two
+// stages queue them in `r` with their upper ends (refined a block later), one stage offers them to `best`.
+inline void take_passing(unsigned passing, const float* score, int first, const BlockQuery& q, bool two_stage, BestRows& best,
+                         Refinement& r) {
+  for (; passing; passing &= passing - 1) {
+    const int i = __builtin_ctz(passing);
+    if (two_stage) {
+      r.upper[r.n] = score[i];
+      r.lanes[r.n++] = first + i;
+    } else {
+      best.push(score[i], q.ids[first + i], q.constant);
+    }
+  }
+}
+
 // Settles one block for one query from its 8-bit sums (block_sums: 4 x 8 lanes). One stage: the rows whose estimate
 // beats `best`'s threshold enter it. Two stages (floor non-null): each row's estimate plus or minus its bound brackets
 // its score; the lower ends enter `floor`, and the lanes of the rows whose upper end beats `best`'s threshold and
@@ -939,15 +953,7 @@ __attribute__((target("avx2,fma"))) void settle_avx2(const __m256i* sums, const 
                                                    _mm256_cmp_ps(value[g], reachable, _CMP_GE_OQ)));
     if (!passing) continue;
     _mm256_store_ps(score, value[g]);
-    for (; passing; passing &= passing - 1) {
-      const int i = __builtin_ctz(passing);
-      if (floor) {
-        r.upper[r.n] = score[i];
-        r.lanes[r.n++] = 8 * g + i;
-      } else {
-        best.push(score[i], q.ids[8 * g + i], q.constant);
-      }
-    }
+    take_passing(static_cast<unsigned>(passing), score, 8 * g, q, floor != nullptr, best, r);
   }
 }
 
@@ -985,15 +991,7 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) void settle_avx512(const __
     unsigned passing = _mm512_cmp_ps_mask(value[h], threshold, _CMP_GT_OQ) & _mm512_cmp_ps_mask(value[h], reachable, _CMP_GE_OQ);
     if (!passing) continue;
     _mm512_store_ps(score, value[h]);
-    for (; passing; passing &= passing - 1) {
-      const int i = __builtin_ctz(passing);
-      if (floor) {
-        r.upper[r.n] = score[i];
-        r.lanes[r.n++] = 16 * h + i;
-      } else {
-        best.push(score[i], q.ids[16 * h + i], q.constant);
-      }
-    }
+    take_passing(passing, score, 16 * h, q, floor != nullptr, best, r);
   }
 }
 

@@ -287,9 +287,15 @@ nb::tuple search(const PlanHandle& plan, const RowsHandle& source, Array<float, 
   return nb::make_tuple(out_values, out_rows, kernel, out_exact);
 }
 
+// True when every squared norm in [first, last) is finite and at most `bound` (the rows a search accepts).
+bool norms_within(const double* first, const double* last, double bound) {
+  return std::all_of(first, last, [bound](double s) { return std::isfinite(s) && s <= bound; });
+}
+
 // ValueError worded as tqvec.validation words it, from the queries' squared norms (double): "contains NaN or Inf"
 // when one is not finite, else the first row whose squared norm exceeds `bound`.
 void check_query_norms(const std::vector<double>& squared, double bound) {
+  if (norms_within(squared.data(), squared.data() + squared.size(), bound)) return;
   for (double s : squared)
     if (!std::isfinite(s)) throw std::invalid_argument("queries contains NaN or Inf");
   for (size_t i = 0; i < squared.size(); ++i)
@@ -379,8 +385,7 @@ nb::tuple search_queries(const PlanHandle& plan, const RowsHandle& source, const
           const int64_t first = static_cast<int64_t>(c) * chunk, g = std::min(chunk, nq - first);
           tqvec::prepare_queries(prep.transform(), coarse, queries.data() + first * dim, g, 1, isa_of(max_isa), squared.data() + first,
                                  rotated.get(), probe.get(), constant.get());
-          if (!std::all_of(squared.begin() + first, squared.begin() + first + g, [&](double v) { return std::isfinite(v) && v <= bound; }))
-            continue;
+          if (!norms_within(squared.data() + first, squared.data() + first + g, bound)) continue;
           tqvec::SearchArgs part = whole;
           part.queries = rotated.get();
           part.nq = g;

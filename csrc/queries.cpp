@@ -123,53 +123,44 @@ __attribute__((target("avx512f,avx2,fma"))) inline float lane_sum_512(__m512 v) 
   return lane_sum(_mm256_add_ps(_mm256_load_ps(part), _mm256_load_ps(part + 8)));
 }
 
+// R rows of `m` (from `row` on) against the G queries of x, written to y (G x rows): each row chunk is loaded once
+// for all G. Each (row, query) sum is the same chain of products as in matmat_avx512's one-query path.
+template <int R, int G>
+__attribute__((target("avx512f,avx2,fma"), always_inline)) inline void matmat_rows_avx512(const float* m, int64_t rows, int64_t n,
+                                                                                        int64_t row, const float* x, float* y) {
+  const int64_t wide = n / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - wide)) - 1u);
+  __m512 acc[R][G];
+  for (auto& per_row : acc)
+    for (__m512& a : per_row) a = _mm512_setzero_ps();
+  for (int64_t c = 0; c < wide; c += 16) {
+    __m512 v[R];
+    for (int i = 0; i < R; ++i) v[i] = _mm512_loadu_ps(m + (row + i) * n + c);
+    for (int j = 0; j < G; ++j) {
+      const __m512 q = _mm512_loadu_ps(x + j * n + c);
+      for (int i = 0; i < R; ++i) acc[i][j] = _mm512_fmadd_ps(v[i], q, acc[i][j]);
+    }
+  }
+  if (tail) {
+    __m512 v[R];
+    for (int i = 0; i < R; ++i) v[i] = _mm512_maskz_loadu_ps(tail, m + (row + i) * n + wide);
+    for (int j = 0; j < G; ++j) {
+      const __m512 q = _mm512_maskz_loadu_ps(tail, x + j * n + wide);
+      for (int i = 0; i < R; ++i) acc[i][j] = _mm512_fmadd_ps(v[i], q, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < G; ++j) y[j * rows + row + i] = lane_sum_512(acc[i][j]);
+}
+
 // matmat_avx512 for G >= 2 queries: two rows of `m` at a time against all G, so each row is read once per block
-// of queries. Each (row, query) sum is the same chain of products as in matmat_avx512's one-query path.
+// of queries.
 template <int G>
 __attribute__((target("avx512f,avx2,fma"), always_inline)) inline void matmat_block_avx512(const float* m, int64_t rows,
                                                                                          int64_t n, const float* x, float* y) {
-  const int64_t wide = n / 16 * 16;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (n - wide)) - 1u);
   int64_t r = 0;
-  for (; r + 2 <= rows; r += 2) {
-    __m512 a0[G], a1[G];
-    for (int j = 0; j < G; ++j) a0[j] = a1[j] = _mm512_setzero_ps();
-    const float* m0 = m + r * n;
-    const float* m1 = m0 + n;
-    for (int64_t c = 0; c < wide; c += 16) {
-      const __m512 v0 = _mm512_loadu_ps(m0 + c), v1 = _mm512_loadu_ps(m1 + c);
-      for (int j = 0; j < G; ++j) {
-        const __m512 q = _mm512_loadu_ps(x + j * n + c);
-        a0[j] = _mm512_fmadd_ps(v0, q, a0[j]);
-        a1[j] = _mm512_fmadd_ps(v1, q, a1[j]);
-      }
-    }
-    if (tail) {
-      const __m512 v0 = _mm512_maskz_loadu_ps(tail, m0 + wide), v1 = _mm512_maskz_loadu_ps(tail, m1 + wide);
-      for (int j = 0; j < G; ++j) {
-        const __m512 q = _mm512_maskz_loadu_ps(tail, x + j * n + wide);
-        a0[j] = _mm512_fmadd_ps(v0, q, a0[j]);
-        a1[j] = _mm512_fmadd_ps(v1, q, a1[j]);
-      }
-    }
-    for (int j = 0; j < G; ++j) {
-      y[j * rows + r] = lane_sum_512(a0[j]);
-      y[j * rows + r + 1] = lane_sum_512(a1[j]);
-    }
-  }
-  for (; r < rows; ++r) {
-    __m512 a[G];
-    for (int j = 0; j < G; ++j) a[j] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < wide; c += 16) {
-      const __m512 v = _mm512_loadu_ps(m + r * n + c);
-      for (int j = 0; j < G; ++j) a[j] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + j * n + c), a[j]);
-    }
-    if (tail) {
-      const __m512 v = _mm512_maskz_loadu_ps(tail, m + r * n + wide);
-      for (int j = 0; j < G; ++j) a[j] = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(tail, x + j * n + wide), a[j]);
-    }
-    for (int j = 0; j < G; ++j) y[j * rows + r] = lane_sum_512(a[j]);
-  }
+  for (; r + 2 <= rows; r += 2) matmat_rows_avx512<2, G>(m, rows, n, r, x, y);
+  if (r < rows) matmat_rows_avx512<1, G>(m, rows, n, r, x, y);
 }
 
 // matmat with 16-wide products, the last n % 16 columns masked. One query: 8 rows of `m` at a time (8 independent

@@ -305,6 +305,18 @@ def test_two_stage_layout_copies_codes_only_for_lists(monkeypatch) -> None:
         assert copied == (grouping is not None), (grouping, source.layout_nbytes, codes.packed.numel())
 
 
+def _flat_top10_as_reference(quantizer: TurboQuantizer, codes, rotated: torch.Tensor) -> tuple[np.ndarray, int]:
+    """The native top 10 of one rotated query ``(1, dim)`` over ``codes`` as one group (the layout's default kernel
+    and settings), asserted equal to the torch reference's; returns its rows and how many rows it scored exactly."""
+    plan = quantizer.table("cpu").native_plan()
+    source = _fastscan.rows(codes.packed, codes.scales, None, plan)
+    values, rows, _, exact = _fastscan._native.search(plan.handle, source, rotated.numpy(), *_fastscan._NO_PROBE, 10,
+                                                      _fastscan.rescore_count(10), _fastscan.CONFIDENCE, 1, _fastscan.MAX_ISA)
+    reference = scan._search_torch(rotated, quantizer.code_block(codes), quantizer.table("cpu"), 10, None)
+    _assert_same_results((reference[0].numpy(), reference[1].numpy()), (values, rows))
+    return rows[0], int(exact.reshape(-1)[0])
+
+
 def test_two_stage_scores_exactly_only_rows_that_can_reach_the_top_k(two_stage: str) -> None:
     """One block of 32 rows, 10 near the query and 22 near its opposite: before the top 10 has any exact score, the
     rows whose upper bound is below the 10th largest lower bound are skipped, so only the 10 near rows get an exact
@@ -319,14 +331,9 @@ def test_two_stage_scores_exactly_only_rows_that_can_reach_the_top_k(two_stage: 
     codes = quantizer.encode(x)
     plan = quantizer.table("cpu").native_plan()
     assert _fastscan.layout(plan) == two_stage
-    source = _fastscan.rows(codes.packed, codes.scales, None, plan)
-    rotated, _ = quantizer.rotate_queries(query[None])
-    values, rows, _, exact = _fastscan._native.search(plan.handle, source, rotated.numpy(), *_fastscan._NO_PROBE, 10,
-                                                      _fastscan.rescore_count(10), _fastscan.CONFIDENCE, 1, _fastscan.MAX_ISA)
-    assert exact.reshape(-1).tolist() == [10]
-    assert sorted(rows[0].tolist()) == list(range(0, 30, 3))
-    reference = scan._search_torch(rotated, quantizer.code_block(codes), quantizer.table("cpu"), 10, None)
-    _assert_same_results((reference[0].numpy(), reference[1].numpy()), (values, rows))
+    rows, scored = _flat_top10_as_reference(quantizer, codes, quantizer.rotate_queries(query[None])[0])
+    assert scored == 10
+    assert sorted(rows.tolist()) == list(range(0, 30, 3))
 
 
 def test_two_stage_scores_queued_rows_best_first_and_drops_those_passed(two_stage: str) -> None:
@@ -346,16 +353,8 @@ def test_two_stage_scores_queued_rows_best_first_and_drops_those_passed(two_stag
     plan = quantizer.table("cpu").native_plan()
     assert _fastscan.layout(plan) == two_stage
     rotated, _ = quantizer.rotate_queries(query[None])
-    scored = []
-    for second in (near, near[::-1]):
-        codes = quantizer.encode(np.concatenate([middling, second]))
-        source = _fastscan.rows(codes.packed, codes.scales, None, plan)
-        values, rows, _, exact = _fastscan._native.search(plan.handle, source, rotated.numpy(), *_fastscan._NO_PROBE, 10,
-                                                          _fastscan.rescore_count(10), _fastscan.CONFIDENCE, 1,
-                                                          _fastscan.MAX_ISA)
-        reference = scan._search_torch(rotated, quantizer.code_block(codes), quantizer.table("cpu"), 10, None)
-        _assert_same_results((reference[0].numpy(), reference[1].numpy()), (values, rows))
-        scored.append(int(exact.reshape(-1)[0]))
+    scored = [_flat_top10_as_reference(quantizer, quantizer.encode(np.concatenate([middling, second])), rotated)[1]
+              for second in (near, near[::-1])]
     assert scored[0] == scored[1] < 32, scored
 
 
