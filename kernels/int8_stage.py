@@ -9,7 +9,9 @@ multiplied by every query tile, the queries as signed bytes too (q · 127 / max|
   order, the padding channels left as they are: zero);
 * :func:`group_max_kernel` multiplies int8 query tiles by the decoded rows and writes each query's best estimate
   per group of ``GROUP_N`` rows, scaled by the query's factor, as :func:`~.scan_kernel.tile_kernel` does with
-  ``GROUP_MAX`` (so the groups are ranked by the same scores, up to the two 8-bit roundings).
+  ``GROUP_MAX`` (so the groups are ranked by the same scores, up to the two 8-bit roundings);
+* :func:`fused_group_max_kernel` does the same from the packed codes of one 4-bit segment, decoding each tile in
+  registers (:func:`~.dp4a_stage.nibble_levels_asm`) instead of reading decoded rows.
 
 Segments are passed as constexprs as in :mod:`.scan_kernel`.
 """
@@ -55,21 +57,9 @@ def decode_kernel(
 
 
 @triton.jit
-def group_max_kernel(
-    q_ptr, rows_ptr, scale_ptr, bias_ptr, qfac_ptr, out_ptr, unit_ptr,
-    nq, n, group0, stride_q, stride_rows, stride_out,
-    K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    GROUP_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_Q: tl.constexpr,
-):
-    """``out[q, group0 + g]`` = max over rows ``i`` of group ``g`` (rows ``g · GROUP_N ..``) of
-    ``unit · scale[i] · ⟨q8, r8_i⟩ + qfac[q] · bias[i]`` for the ``n`` decoded rows ``r8`` ``(n, K_PAD)`` int8 and
-    queries ``q8`` ``(nq, K_PAD)`` int8 (``unit`` read from ``unit_ptr``: the grid's step in level units). A program
-    computes a tile of ``BLOCK_Q`` queries × ``BLOCK_N`` rows, ``BLOCK_N / GROUP_N`` groups.
-
-    Programs run ``GROUP_Q`` query tiles fastest within a band of row tiles, so that concurrent programs share
-    both operands in L2.
-    """
-    pid = tl.program_id(0)
+def _tile_of(pid, nq, n, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_Q: tl.constexpr):
+    """``(query tile, row tile)`` of program ``pid``: ``GROUP_Q`` query tiles run fastest within a band of row tiles,
+    so that concurrent programs share both operands in L2."""
     n_q_tiles = tl.cdiv(nq, BLOCK_Q)
     n_row_tiles = tl.cdiv(n, BLOCK_N)
     band = pid // (GROUP_Q * n_row_tiles)
@@ -77,18 +67,15 @@ def group_max_kernel(
     q_tiles = tl.minimum(n_q_tiles - first_q, GROUP_Q)
     q_tile = first_q + (pid % (GROUP_Q * n_row_tiles)) % q_tiles
     row_tile = (pid % (GROUP_Q * n_row_tiles)) // q_tiles
-    offs_q = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    rows = row_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    q_mask = offs_q < nq
-    row_mask = rows < n
-    channel = tl.arange(0, BLOCK_K)
-    q_ptrs = q_ptr + offs_q.to(tl.int64)[:, None] * stride_q + channel[None, :]
-    r_ptrs = rows_ptr + rows.to(tl.int64)[:, None] * stride_rows + channel[None, :]
-    acc = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.int32)
-    for k0 in range(0, K_PAD, BLOCK_K):
-        a = tl.load(q_ptrs + k0, mask=q_mask[:, None], other=0)
-        b = tl.load(r_ptrs + k0, mask=row_mask[:, None], other=0)
-        acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
+    return q_tile, row_tile
+
+
+@triton.jit
+def _store_group_maxima(acc, offs_q, q_mask, rows, row_mask, row_tile, scale_ptr, bias_ptr, qfac_ptr, unit_ptr,
+                        out_ptr, stride_out, group0, n, HAS_BIAS: tl.constexpr, BLOCK_Q: tl.constexpr,
+                        BLOCK_N: tl.constexpr, GROUP_N: tl.constexpr):
+    """Scale the int32 products ``acc`` ``(BLOCK_Q, BLOCK_N)`` to estimates (``unit · scale[i] · acc + qfac[q] ·
+    bias[i]``) and store each query's best per group of ``GROUP_N`` rows at ``out[q, group0 + group]``."""
     scores = acc.to(tl.float32) * (tl.load(unit_ptr) * tl.load(scale_ptr + rows, mask=row_mask, other=0.0))[None, :]
     if HAS_BIAS:
         qfac = tl.load(qfac_ptr + offs_q, mask=q_mask, other=0.0)
@@ -102,3 +89,86 @@ def group_max_kernel(
         best = tl.max(tl.reshape(scores, (BLOCK_Q, GROUPS, GROUP_N)), axis=2)
         group = row_tile * GROUPS + tl.arange(0, GROUPS)
         tl.store(out_ptrs[:, None] + group[None, :], best, mask=q_mask[:, None] & (group * GROUP_N < n)[None, :])
+
+
+@triton.jit
+def group_max_kernel(
+    q_ptr, rows_ptr, scale_ptr, bias_ptr, qfac_ptr, out_ptr, unit_ptr,
+    nq, n, group0, stride_q, stride_rows, stride_out,
+    K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_Q: tl.constexpr,
+):
+    """``out[q, group0 + g]`` = max over rows ``i`` of group ``g`` (rows ``g · GROUP_N ..``) of
+    ``unit · scale[i] · ⟨q8, r8_i⟩ + qfac[q] · bias[i]`` for the ``n`` decoded rows ``r8`` ``(n, K_PAD)`` int8 and
+    queries ``q8`` ``(nq, K_PAD)`` int8 (``unit`` read from ``unit_ptr``: the grid's step in level units). A program
+    computes a tile of ``BLOCK_Q`` queries × ``BLOCK_N`` rows, ``BLOCK_N / GROUP_N`` groups.
+
+    Programs run ``GROUP_Q`` query tiles fastest within a band of row tiles (:func:`_tile_of`).
+    """
+    q_tile, row_tile = _tile_of(tl.program_id(0), nq, n, BLOCK_Q, BLOCK_N, GROUP_Q)
+    offs_q = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    rows = row_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    q_mask = offs_q < nq
+    row_mask = rows < n
+    channel = tl.arange(0, BLOCK_K)
+    q_ptrs = q_ptr + offs_q.to(tl.int64)[:, None] * stride_q + channel[None, :]
+    r_ptrs = rows_ptr + rows.to(tl.int64)[:, None] * stride_rows + channel[None, :]
+    acc = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.int32)
+    for k0 in range(0, K_PAD, BLOCK_K):
+        a = tl.load(q_ptrs + k0, mask=q_mask[:, None], other=0)
+        b = tl.load(r_ptrs + k0, mask=row_mask[:, None], other=0)
+        acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
+    _store_group_maxima(acc, offs_q, q_mask, rows, row_mask, row_tile, scale_ptr, bias_ptr, qfac_ptr, unit_ptr, out_ptr,
+                        stride_out, group0, n, HAS_BIAS, BLOCK_Q, BLOCK_N, GROUP_N)
+
+
+@triton.jit
+def _code_tile_levels(row_ptrs, row_mask, k0, grid_ptr, NBYTES: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """Int8 levels ``(BLOCK_N, BLOCK_K)`` of channels ``k0 …`` of 4-bit rows of ``NBYTES`` bytes (masked rows and bytes
+    past the row: the level of code 0), by :func:`~.dp4a_stage.nibble_levels_asm`'s ``ASM``, else gathered from the
+    float32 grid."""
+    byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    raw = tl.load(row_ptrs[:, None] + byte[None, :], mask=row_mask[:, None] & (byte < NBYTES)[None, :], other=0)
+    if ASM != "":
+        low, high = tl.inline_asm_elementwise(ASM, "=r,=r,r", [raw], dtype=(tl.int8, tl.int8), is_pure=True, pack=4)
+    else:
+        code = raw.to(tl.int32)
+        low = tl.load(grid_ptr + (code & 15)).to(tl.int8)
+        high = tl.load(grid_ptr + (code >> 4)).to(tl.int8)
+    return tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def fused_group_max_kernel(
+    q_ptr, packed_ptr, scale_ptr, bias_ptr, qfac_ptr, grid_ptr, out_ptr, unit_ptr,
+    nq, n, stride_q, stride_packed, stride_out,
+    K_PAD: tl.constexpr, NBYTES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_Q: tl.constexpr, ROWS_AS_M: tl.constexpr, ASM: tl.constexpr,
+):
+    """:func:`group_max_kernel`'s output (``group0`` 0) from the packed rows of one 4-bit segment, ``NBYTES`` bytes
+    each (``K_PAD``: the query channels, ``2 · NBYTES`` rounded up to ``BLOCK_K``), each tile decoded in registers to
+    the int8 grid levels (``grid_ptr``: 16 float32 integers, read only without ``ASM``). ``ROWS_AS_M``: the decoded rows are the
+    tensor-core product's left operand."""
+    q_tile, row_tile = _tile_of(tl.program_id(0), nq, n, BLOCK_Q, BLOCK_N, GROUP_Q)
+    offs_q = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    rows = row_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    q_mask = offs_q < nq
+    row_mask = rows < n
+    q_ptrs = q_ptr + offs_q.to(tl.int64)[:, None] * stride_q + tl.arange(0, BLOCK_K)[None, :]
+    row_ptrs = packed_ptr + rows.to(tl.int64) * stride_packed
+    if ROWS_AS_M:
+        acc_t = tl.zeros((BLOCK_N, BLOCK_Q), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.int32)
+    for k0 in range(0, K_PAD, BLOCK_K):
+        a = tl.load(q_ptrs + k0, mask=q_mask[:, None], other=0)
+        b = _code_tile_levels(row_ptrs, row_mask, k0, grid_ptr, NBYTES, BLOCK_N, BLOCK_K, ASM)
+        if ROWS_AS_M:
+            acc_t = tl.dot(b, tl.trans(a), acc_t, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
+    if ROWS_AS_M:
+        acc = tl.trans(acc_t)
+    _store_group_maxima(acc, offs_q, q_mask, rows, row_mask, row_tile, scale_ptr, bias_ptr, qfac_ptr, unit_ptr, out_ptr,
+                        stride_out, 0, n, HAS_BIAS, BLOCK_Q, BLOCK_N, GROUP_N)

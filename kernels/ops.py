@@ -8,12 +8,16 @@ Search runs in two stages and never writes the ``(nq, n)`` score matrix:
 1. :func:`~.scan_kernel.tile_kernel` scores every query against every group of ``block_n`` rows on
    tensor cores (float16 operands, float32 accumulation; each query is first scaled by
    ``1 / max|q|`` so float16 keeps 11 significant bits) and writes only each query's maximum per
-   group: an ``(nq, n / block_n)`` matrix. A single query over 4-bit segments instead goes through
-   :func:`~.scan_kernel.matvec_kernel` (float32 products on CUDA cores, same output; its levels exact, or float16
-   from byte permutes, :attr:`SearchSettings.matvec_permutes`; so are the 2-16-query tiles' levels with
+   group: an ``(nq, n / block_n)`` matrix. A single query over one 4-bit segment of a multiple of 8 channels goes
+   through :mod:`.dp4a_stage` instead (int8 levels and query, ``dp4a`` products on CUDA cores,
+   :attr:`SearchSettings.matvec_dp4a`); other single 4-bit queries through :func:`~.scan_kernel.matvec_kernel`
+   (float32 products on CUDA cores, same output; its levels exact, or float16 from byte permutes,
+   :attr:`SearchSettings.matvec_permutes`; so are the 2-16-query tiles' levels with
    :attr:`SearchSettings.tile_permutes`). Large batches
    (:data:`INT8_MIN_QUERIES`) go through :mod:`.int8_stage` instead: rows decoded once per search to int8
-   levels, queries scaled by ``127 / max|q|`` and rounded to int8, int32 products on tensor cores.
+   levels, queries scaled by ``127 / max|q|`` and rounded to int8, int32 products on tensor cores; over one 4-bit
+   segment, batches of :data:`INT8_FUSED_MIN_QUERIES` to :data:`INT8_FUSED_MAX_QUERIES` decode each code tile in
+   registers instead (:attr:`SearchSettings.int8_fused`).
 2. :func:`~.topk.row_topk` (Triton, exact up to the order of ties; see :mod:`.topk`) picks the
    ``k + GROUP_MARGIN`` best groups per query, and :func:`~.scan_kernel.refine_kernel` rescores their
    rows in exact float32, keeping each refined slice's best ``k`` (rounded up to a power of two); a last
@@ -41,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -53,9 +57,10 @@ from tqvec.packing import Layout
 from tqvec.scan import CodeBlock, CodeTable
 
 from . import topk as topk_kernels
+from .dp4a_stage import CHANNELS_PER_WORD, dp4a_asm, dp4a_group_max_kernel, int8_queries_kernel, nibble_levels_asm
 from .encode_kernel import encode_kernel
 from .graphs import GraphCache, capture_graph
-from .int8_stage import decode_kernel, group_max_kernel
+from .int8_stage import decode_kernel, fused_group_max_kernel, group_max_kernel
 from .launch import cdiv, pow2
 from .scan_kernel import half_queries_kernel, matvec_kernel, refine_kernel, tile_kernel
 from .unpack import table_nibble_pair_asm
@@ -72,6 +77,11 @@ MAX_GROUP_SCORES = 1 << 28
 #: tile kernel at d = 1536); the tile kernel was faster at nq = 4 and at 2 bits (H200, bench/results/gpu_scan_runs)
 MATVEC_MAX_DIM = 768
 MATVEC_PERMUTES_MAX_DIM = 1536
+#: tiling of the single-query int8 stage 1 (:mod:`.dp4a_stage`), by row width: rows of at least
+#: ``DP4A_WIDE_WORDS`` 32-bit code words (256 channels) run tiles of 32 rows x 32 words, 16 tiles per program; narrower
+#: rows 64 rows x 16 words, 4 tiles. H200, 4 bits, stage 1 alone: 1M x 384 / 768 / 1536 rows at 50-51% of the copy
+#: bandwidth, 4M x 1536 68%, 10M x 128 72% (the float32 matvec: 21-35%; bench/results/gpu_scan_runs/*-dp4a)
+DP4A_WIDE_WORDS = 32
 #: rows per program of :func:`~.scan_kernel.refine_kernel` (chosen groups are refined in such slices)
 REFINE_ROWS = 128
 #: query batches of at least this many run stage 1 on int8 tensor cores (:mod:`.int8_stage`: rows decoded once per
@@ -94,6 +104,16 @@ INT8_TILE_ROWS = 128
 INT8_BLOCK_K = 64
 INT8_GROUP_Q = 16
 INT8_STAGES = 3
+#: the fused int8 stage 1 (:attr:`SearchSettings.int8_fused`, one 4-bit segment) serves batches of more than
+#: ``INT8_FUSED_MIN_QUERIES`` and fewer than ``INT8_FUSED_MAX_QUERIES`` (larger ones decode the rows once): H200, 1M rows,
+#: whole searches of 100 queries 1.16x / 1.62x / 1.99x / 2.27x faster than the float16 tiles at d = 128 / 384 / 768 /
+#: 1536; of 10,000 queries 1.03-1.32x slower than decoding the rows once (bench/results/gpu_scan_runs/*-dp4a)
+INT8_FUSED_MIN_QUERIES = 16
+INT8_FUSED_MAX_QUERIES = 512
+#: its rows per tile, channels per ``tl.dot`` step, pipelined load stages
+FUSED_TILE_ROWS = 128
+FUSED_BLOCK_K = 128
+FUSED_STAGES = 3
 #: fewest channels per ``tl.dot`` step of the tile kernel: with 16, Triton 3.6 computed wrong tensor-core scores on
 #: the H200 (relative error ~1 for 4-bit codes, float16 and float32 operands alike; 32 and 64 exact)
 MIN_BLOCK_D = 32
@@ -113,6 +133,10 @@ class TileConfig:
     ``int8``: search stage 1 by :mod:`.int8_stage` instead (rows decoded once to int8, ``block_q`` ×
     :data:`INT8_TILE_ROWS` tiles on int8 tensor cores, maxima per group of ``block_n`` rows); codes with QJL signs keep
     the float16 tiles.
+
+    ``dp4a``: search stage 1 of one query over one 4-bit segment by :mod:`.dp4a_stage` instead: ``block_n`` rows per
+    tile, ``block_d`` 32-bit code words per step, ``tiles`` tiles per program (codes whose rows cannot be read as
+    aligned 32-bit words take the ``matvec`` kernel with the same rows and tiles).
     """
 
     block_q: int
@@ -125,9 +149,10 @@ class TileConfig:
     num_stages: int = 1
     matvec: bool = False
     int8: bool = False
+    dp4a: bool = False
 
     def __post_init__(self) -> None:
-        if not self.matvec and self.block_d < MIN_BLOCK_D:
+        if not (self.matvec or self.dp4a) and self.block_d < MIN_BLOCK_D:
             raise ValueError(f"block_d must be at least {MIN_BLOCK_D} (see MIN_BLOCK_D), got {self.block_d}")
 
 
@@ -153,6 +178,12 @@ class SearchSettings:
         The same for the float16 tile kernel's stage 1 over 2-16 queries (rows as the MMA's M side); off: levels from
         the pair table. (With 128-query tiles the two half-width products measured 3.4-4x slower on the H200: not
         used there.)
+    matvec_dp4a : bool
+        A single query's stage 1 over one 4-bit segment of a multiple of 8 channels runs as int8 dot products
+        (:mod:`.dp4a_stage`); off: the float32 :func:`~.scan_kernel.matvec_kernel` (``matvec_permutes`` applies).
+    int8_fused : bool
+        The int8 tensor-core stage 1 over one 4-bit segment decodes each code tile in registers
+        (:func:`~.int8_stage.fused_group_max_kernel`); off: rows are decoded to a buffer first, chunk by chunk.
     """
 
     cuda_graphs: bool = True
@@ -161,6 +192,8 @@ class SearchSettings:
     graph_cache_size: int = 8
     matvec_permutes: bool = True
     tile_permutes: bool = True
+    matvec_dp4a: bool = True
+    int8_fused: bool = True
 
 
 _SETTINGS: ContextVar[SearchSettings] = ContextVar("tqvec_search_settings", default=SearchSettings())  # noqa: B039 - frozen
@@ -226,22 +259,32 @@ def tile_config(nq: int, layout: Layout, exact: bool = False, n: int = 0) -> Til
     """Default tiling for ``nq`` queries over ``layout`` and ``n`` rows (small tiles under the interpreter).
 
     ``exact``: float32 operands (``scores``), whose tiles need four times the shared memory of the
-    float16 search tiles, so fewer channels per step. A single-query search over narrow 4-bit
-    segments runs stage 1 on CUDA cores (``matvec``), with more tiles per program on large ``n``
+    float16 search tiles, so fewer channels per step. A single-query search over one 4-bit segment of a multiple
+    of 8 channels runs stage 1 as int8 dot products (``dp4a``); over other narrow 4-bit segments on CUDA cores in
+    float32 (``matvec``), with more tiles per program on large ``n``
     (measured on the H200 at 1M and 10M rows); a search of many queries on int8 tensor cores (``int8``, from
     :data:`INT8_MIN_QUERIES` queries, or :data:`INT8_MIN_QUERIES_NARROW` for rows of at most
-    :data:`INT8_NARROW_DIM` channels).
+    :data:`INT8_NARROW_DIM` channels; over one 4-bit segment from :data:`INT8_FUSED_MIN_QUERIES`, decoding in registers).
     """
     widest = max(d for d, _ in layout.segments)
     four_bit = {b for d, b in layout.segments if d and b} == {4}
-    permutes = settings().matvec_permutes and len(layout.segments) == 1
+    single = len(layout.segments) == 1
+    if not exact and nq == 1 and four_bit and single and widest % CHANNELS_PER_WORD == 0 and settings().matvec_dp4a:
+        if interpreting():
+            return TileConfig(1, 16, 4, tiles=2, dp4a=True)
+        if widest // CHANNELS_PER_WORD >= DP4A_WIDE_WORDS:
+            return TileConfig(1, 32, 32, tiles=16, dp4a=True)
+        return TileConfig(1, 64, min(16, pow2(widest // CHANNELS_PER_WORD)), tiles=4, dp4a=True)
+    permutes = settings().matvec_permutes and single
     if not exact and nq == 1 and four_bit and widest <= (MATVEC_PERMUTES_MAX_DIM if permutes else MATVEC_MAX_DIM):
         if interpreting():
             return TileConfig(1, 16, 8, tiles=2, matvec=True)
         if permutes:  # 4 KiB of codes per step (16 bytes per thread measured 1.3-2x slower), H200 1M and 10M rows
             return TileConfig(1, 64, 64, tiles=64 if n > 1 << 21 else 16, matvec=True)
         return TileConfig(1, 32, 64, tiles=128 if n > 1 << 21 else 32, matvec=True)
-    int8 = not exact and nq >= (INT8_MIN_QUERIES_NARROW if layout.dim <= INT8_NARROW_DIM else INT8_MIN_QUERIES)
+    fusable = not exact and four_bit and single and settings().int8_fused
+    int8 = not exact and (nq >= (INT8_MIN_QUERIES_NARROW if layout.dim <= INT8_NARROW_DIM else INT8_MIN_QUERIES)
+                          or (fusable and nq > INT8_FUSED_MIN_QUERIES))
     if interpreting():
         return TileConfig(block_q=16, block_n=32, block_d=_pow2_clamp(widest, MIN_BLOCK_D, 32), int8=int8)
     block_q = _pow2_clamp(nq, 16, 128)
@@ -424,7 +467,12 @@ def group_maxima(
     is the query's maxima times its ``qfac``, which leaves the ranking of its groups unchanged).
     """
     out = torch.empty(q.shape[0], cdiv(len(block), cfg.block_n), dtype=torch.float32, device=q.device)
-    if cfg.matvec:
+    words = _code_words(block) if cfg.dp4a and p is None else None
+    if words is not None:
+        _dp4a_group_maxima(q, words, block, table, out, cfg)
+    elif cfg.dp4a:
+        _launch_matvec(q, p, block, table, out, dataclasses.replace(cfg, block_d=64, dp4a=False, matvec=True))
+    elif cfg.matvec:
         _launch_matvec(q, p, block, table, out, cfg)
     elif cfg.int8 and block.signs is None:
         _int8_group_maxima(q, block, table, out, cfg)
@@ -453,19 +501,76 @@ def _int8_queries(q: torch.Tensor, channels: int) -> tuple[torch.Tensor, torch.T
     return q8, qfac
 
 
+def _code_words(block: CodeBlock) -> torch.Tensor | None:
+    """``block.packed`` viewed as int32 words ``(n, row_bytes / 4)`` (no copy), or ``None`` where its rows are not
+    whole aligned words."""
+    packed = block.packed
+    if packed.shape[1] % 4 or packed.stride(1) != 1 or packed.stride(0) % 4 or packed.storage_offset() % 4:
+        return None
+    return packed.view(torch.int32)
+
+
+def _table_int8_asm(table: CodeTable, builder: Callable[[torch.Tensor], str]) -> str:
+    """``builder`` (:func:`~.dp4a_stage.dp4a_asm` or :func:`~.dp4a_stage.nibble_levels_asm`) of the table's first 16
+    levels on the int8 grid, cached on the table; ``""`` under the interpreter. Like
+    :func:`~.unpack.table_nibble_pair_asm`, the first call reads the levels on the host."""
+    if interpreting():
+        return ""
+    key = f"tqvec.kernels.{builder.__name__}"
+    if key not in table._luts:
+        table._luts[key] = builder(_int8_grid(table)[0][0, :16])
+    return table._luts[key]
+
+
+def _dp4a_group_maxima(
+    q: torch.Tensor, words: torch.Tensor, block: CodeBlock, table: CodeTable, out: torch.Tensor, cfg: TileConfig,
+) -> None:
+    """Stage 1 by :func:`~.dp4a_stage.dp4a_group_max_kernel`: ``out`` ``(nq, cdiv(n, cfg.block_n))`` = each query's
+    best int8 estimate per group, times its ``qfac`` (as :func:`_int8_group_maxima`)."""
+    nq, n_words = q.shape[0], words.shape[1]
+    channels = n_words * CHANNELS_PER_WORD
+    q8 = torch.empty(nq, channels, dtype=torch.int8, device=q.device)
+    qfac = torch.empty(nq, dtype=torch.float32, device=q.device)
+    int8_queries_kernel[(nq,)](q, q8, qfac, q.stride(0), q8.stride(0), D=q.shape[1], CHANNELS=channels,
+                               BLOCK=pow2(channels), num_warps=4)
+    q_words = q8.view(torch.int32)
+    grid, unit = _int8_grid(table)
+    scale = block.scale.float().contiguous()
+    bias = None if block.bias is None else block.bias.float().contiguous()
+    dp4a_group_max_kernel[(q.shape[0], cdiv(out.shape[1], cfg.tiles))](
+        q_words, words, scale, _dummy(bias, scale), qfac, grid, unit, out, len(block), q_words.stride(0),
+        words.stride(0), out.stride(0), WORDS=n_words, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
+        BLOCK_W=cfg.block_d, TILES=cfg.tiles, ASM=_table_int8_asm(table, dp4a_asm), num_warps=cfg.num_warps,
+    )
+
+
 def _int8_group_maxima(q: torch.Tensor, block: CodeBlock, table: CodeTable, out: torch.Tensor, cfg: TileConfig) -> None:
     """Stage 1 on int8 tensor cores (:mod:`.int8_stage`): ``out`` ``(nq, cdiv(n, cfg.block_n))`` = each query's best
-    estimate per group, times its ``qfac``. Rows are decoded in chunks of at most :data:`INT8_CHUNK_BYTES`."""
-    nq, n = q.shape[0], len(block)
-    block_k = 32 if interpreting() else INT8_BLOCK_K
-    tile_rows = max(cfg.block_n, 32 if interpreting() else INT8_TILE_ROWS)
+    estimate per group, times its ``qfac``. One 4-bit segment (with :attr:`SearchSettings.int8_fused`): code tiles
+    decoded in registers; else rows decoded in chunks of at most :data:`INT8_CHUNK_BYTES`."""
+    segments = table.layout.segments
+    fused = (settings().int8_fused and len(segments) == 1 and segments[0][1] == 4 and block.packed.stride(1) == 1
+             and q.shape[0] < INT8_FUSED_MAX_QUERIES)
+    block_k = 32 if interpreting() else (FUSED_BLOCK_K if fused else INT8_BLOCK_K)
+    tile_rows = max(cfg.block_n, 32 if interpreting() else (FUSED_TILE_ROWS if fused else INT8_TILE_ROWS))
     channels = cdiv(q.shape[1], block_k) * block_k
     q8, qfac = _int8_queries(q, channels)
     grid, unit = _int8_grid(table)
-    chunk = min(cdiv(n, tile_rows), max(1, INT8_CHUNK_BYTES // (channels * tile_rows))) * tile_rows
-    decoded = torch.zeros(chunk, channels, dtype=torch.int8, device=q.device)
     scale = block.scale.float().contiguous()
     bias = None if block.bias is None else block.bias.float().contiguous()
+    nq, n = q.shape[0], len(block)
+    stages = 1 if interpreting() else (FUSED_STAGES if fused else INT8_STAGES)
+    if fused:
+        fused_group_max_kernel[(cdiv(nq, cfg.block_q) * cdiv(n, tile_rows),)](
+            q8, block.packed, scale, _dummy(bias, scale), qfac, grid, out, unit, nq, n, q8.stride(0),
+            block.packed.stride(0), out.stride(0), K_PAD=channels, NBYTES=table.layout.row_bytes,
+            HAS_BIAS=bias is not None, BLOCK_Q=cfg.block_q, BLOCK_N=tile_rows, GROUP_N=cfg.block_n, BLOCK_K=block_k,
+            GROUP_Q=INT8_GROUP_Q, ROWS_AS_M=cfg.rows_as_m, ASM=_table_int8_asm(table, nibble_levels_asm),
+            num_warps=cfg.num_warps, num_stages=stages,
+        )
+        return
+    chunk = min(cdiv(n, tile_rows), max(1, INT8_CHUNK_BYTES // (channels * tile_rows))) * tile_rows
+    decoded = torch.zeros(chunk, channels, dtype=torch.int8, device=q.device)
     decode_n = 32 if interpreting() else 64
     for first in range(0, n, chunk):
         rows = min(chunk, n - first)
@@ -478,7 +583,7 @@ def _int8_group_maxima(q: torch.Tensor, block: CodeBlock, table: CodeTable, out:
             q8, decoded, scale[first:], _dummy(None if bias is None else bias[first:], scale), qfac, out, unit,
             nq, rows, first // cfg.block_n, q8.stride(0), decoded.stride(0), out.stride(0),
             K_PAD=channels, HAS_BIAS=bias is not None, BLOCK_Q=cfg.block_q, BLOCK_N=tile_rows, GROUP_N=cfg.block_n,
-            BLOCK_K=block_k, GROUP_Q=INT8_GROUP_Q, num_warps=cfg.num_warps, num_stages=1 if interpreting() else INT8_STAGES,
+            BLOCK_K=block_k, GROUP_Q=INT8_GROUP_Q, num_warps=cfg.num_warps, num_stages=stages,
         )
 
 

@@ -144,7 +144,8 @@ MATVEC_LAYOUTS = [(2, "mse", 64), (3, "mse", 40), (4, "mse", 40), (3.5, "prod", 
 def test_matvec_search(bits: float, mode: str, dim: int) -> None:
     """CUDA-core first stage (the single-query default at 4 bits), two queries, several tiles per program."""
     tq, cpu_block, dev_block, rotated, projected = make_case(bits, mode, dim, n=75, nq=2, bias=True)
-    assert ops.tile_config(1, tq.layout).matvec == (bits == 4)
+    with ops.configured(matvec_dp4a=False):
+        assert ops.tile_config(1, tq.layout).matvec == (bits == 4)
     ref = scan.scores(rotated, cpu_block, tq.table("cpu"), projected)
     config = ops.TileConfig(1, 16, 8, tiles=3, matvec=True)
     got = ops.search(dev(rotated), dev_block, tq.table(KERNEL_DEVICE), 7, dev(projected), config=config)
@@ -153,15 +154,17 @@ def test_matvec_search(bits: float, mode: str, dim: int) -> None:
 
 @pytest.mark.parametrize("dim", [128, 384, 1536])
 def test_single_queries_decode_by_byte_permutes(dim: int) -> None:
-    """On CUDA a single 4-bit query's stage 1 takes the byte-permute decoder (the search codebooks are symmetric, which
-    it needs: its arithmetic is checked in test_kv_decode_attention), up to MATVEC_PERMUTES_MAX_DIM channels; with the
-    setting off, gathered levels up to MATVEC_MAX_DIM."""
+    """With the int8 stage off (:attr:`SearchSettings.matvec_dp4a`), on CUDA a single 4-bit query's stage 1 takes the
+    byte-permute decoder (the search codebooks are symmetric, which it needs: its arithmetic is checked in
+    test_kv_decode_attention), up to MATVEC_PERMUTES_MAX_DIM channels; with that setting off too, gathered levels up
+    to MATVEC_MAX_DIM."""
     tq = TurboQuantizer(dim, 4, seed=0)
     assert nibble_pair_asm(tq.table("cpu").levels[0])
-    assert ops.tile_config(1, tq.layout).matvec
-    with ops.configured(matvec_permutes=False):
-        assert ops.tile_config(1, tq.layout).matvec == (dim <= ops.MATVEC_MAX_DIM)
-    assert not ops.tile_config(1, TurboQuantizer(dim, 3.5, seed=0).layout).matvec
+    with ops.configured(matvec_dp4a=False):
+        assert ops.tile_config(1, tq.layout).matvec
+        with ops.configured(matvec_permutes=False):
+            assert ops.tile_config(1, tq.layout).matvec == (dim <= ops.MATVEC_MAX_DIM)
+        assert not ops.tile_config(1, TurboQuantizer(dim, 3.5, seed=0).layout).matvec
 
 
 def test_search_in_query_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -222,17 +225,29 @@ def int8_stage_bound(rotated: torch.Tensor, cpu_block: scan.CodeBlock, table: sc
     return cpu_block.scale.abs() * (per_row + largest / 254 * (qfac[:, None] * rotated.abs()).sum(1, keepdim=True))
 
 
-@pytest.mark.parametrize("bits,mode,dim,group", [(4, "mse", 40, 32), (3.5, "mse", 64, 16), (5, "mse", 24, 16),
-                                                 (1, "mse", 40, 32)])
-def test_int8_stage_one(monkeypatch: pytest.MonkeyPatch, bits: float, mode: str, dim: int, group: int) -> None:
-    """Large batches' stage 1 on int8 tensor cores: rows decoded in chunks (several, the last ragged), group maxima
-    (one or two groups per 32-row tile) within the rounding bound of both operands, and the search's answer equal
-    to the reference."""
+INT8_STAGES = {"decoded": ({"int8_fused": False}, {"int8": True}),
+               "fused": ({}, {"int8": True}), "fused, rows as M": ({}, {"int8": True, "rows_as_m": True}),
+               "dp4a": ({}, {"dp4a": True, "tiles": 2})}
+
+
+@pytest.mark.parametrize("bits,mode,dim,group,stage", [
+    (4, "mse", 40, 32, "decoded"), (4, "mse", 40, 32, "fused"), (4, "mse", 40, 16, "fused, rows as M"),
+    (4, "mse", 40, 16, "dp4a"), (4, "mse", 64, 32, "dp4a"), (3.5, "mse", 64, 16, "decoded"),
+    (5, "mse", 24, 16, "decoded"), (1, "mse", 40, 32, "decoded")])
+def test_int8_stage_one(monkeypatch: pytest.MonkeyPatch, bits: float, mode: str, dim: int, group: int,
+                        stage: str) -> None:
+    """Stage 1 on int8 levels and queries: tensor-core tiles over rows decoded in chunks (several, the last ragged) or
+    decoded in registers (``fused``: 40 channels, so the last 32-channel step runs past the row), or ``dp4a`` products
+    on CUDA cores; group maxima (one or two groups per 32-row tile) within the rounding bound of both operands, and
+    the search's answer equal to the reference."""
     monkeypatch.setattr(ops, "INT8_CHUNK_BYTES", 3 * 32 * 64)
     tq, cpu_block, dev_block, rotated, _ = make_case(bits, mode, dim, n=300, nq=20, bias=True)
     table = tq.table("cpu")
-    config = ops.TileConfig(16, group, 32, int8=True)
-    group_max = ops.group_maxima(dev(rotated), None, dev_block, tq.table(KERNEL_DEVICE), config).cpu()
+    changes, tiling = INT8_STAGES[stage]
+    config = ops.TileConfig(16 if "int8" in tiling else 1, group, 32 if "int8" in tiling else 4, **tiling)
+    with ops.configured(**changes):
+        group_max = ops.group_maxima(dev(rotated), None, dev_block, tq.table(KERNEL_DEVICE), config).cpu()
+        got = ops.search(dev(rotated), dev_block, tq.table(KERNEL_DEVICE), 7, config=config)
     ref = scan.scores(rotated, cpu_block, table)
     qfac = 127 / rotated.abs().amax(1, keepdim=True)
     n_groups = group_max.shape[1]
@@ -240,26 +255,33 @@ def test_int8_stage_one(monkeypatch: pytest.MonkeyPatch, bits: float, mode: str,
     expected = torch.nn.functional.pad(ref * qfac, pad, value=float("-inf")).view(20, n_groups, group).amax(2)
     bound = torch.nn.functional.pad(int8_stage_bound(rotated, cpu_block, table), pad).view(20, n_groups, group).amax(2)
     assert bool(((group_max - expected).abs() <= bound + RTOL * expected.abs().max()).all())
-    got = ops.search(dev(rotated), dev_block, tq.table(KERNEL_DEVICE), 7, config=config)
     assert_topk_equal(got, scan.search(rotated, cpu_block, table, 7), ref)
 
 
 @pytest.mark.parametrize("on_gpu", [False, True])
 def test_int8_config_and_signs_fallback(monkeypatch: pytest.MonkeyPatch, on_gpu: bool) -> None:
     """Batches of INT8_MIN_QUERIES (INT8_MIN_QUERIES_NARROW on narrow rows) pick the int8 stage, exact scores never;
-    the GPU's int8 configurations take groups of INT8_GROUP_ROWS rows on wide rows, 128 on narrow ones and on float16
-    tiles; codes with QJL signs keep the float16 tiles under an int8 configuration."""
+    one 4-bit segment from INT8_FUSED_MIN_QUERIES + 1 (the fused stage), other layouts not; the GPU's int8
+    configurations take groups of INT8_GROUP_ROWS rows on wide rows, 128 on narrow ones and on float16 tiles; codes
+    with QJL signs keep the float16 tiles under an int8 configuration."""
     if on_gpu:  # the configurations a GPU gets (the interpreter's are small)
         monkeypatch.setattr(ops, "interpreting", lambda: False)
     wide, narrow = TurboQuantizer(ops.INT8_NARROW_DIM + 8, 4, seed=0), TurboQuantizer(ops.INT8_NARROW_DIM, 4, seed=0)
-    assert ops.tile_config(ops.INT8_MIN_QUERIES, wide.layout).int8
-    assert not ops.tile_config(ops.INT8_MIN_QUERIES - 1, wide.layout).int8
-    assert not ops.tile_config(ops.INT8_MIN_QUERIES_NARROW - 1, narrow.layout).int8
-    assert ops.tile_config(ops.INT8_MIN_QUERIES_NARROW, narrow.layout).int8
+    fractional = TurboQuantizer(ops.INT8_NARROW_DIM + 8, 3.5, seed=0)
+    assert ops.tile_config(ops.INT8_FUSED_MIN_QUERIES + 1, wide.layout).int8
+    assert ops.tile_config(ops.INT8_FUSED_MIN_QUERIES + 1, narrow.layout).int8
+    assert not ops.tile_config(ops.INT8_FUSED_MIN_QUERIES, wide.layout).int8
+    assert not ops.tile_config(ops.INT8_MIN_QUERIES - 1, fractional.layout).int8
+    assert ops.tile_config(ops.INT8_MIN_QUERIES, fractional.layout).int8
+    with ops.configured(int8_fused=False):
+        assert ops.tile_config(ops.INT8_MIN_QUERIES, wide.layout).int8
+        assert not ops.tile_config(ops.INT8_MIN_QUERIES - 1, wide.layout).int8
+        assert not ops.tile_config(ops.INT8_MIN_QUERIES_NARROW - 1, narrow.layout).int8
+        assert ops.tile_config(ops.INT8_MIN_QUERIES_NARROW, narrow.layout).int8
     assert not ops.tile_config(ops.INT8_MIN_QUERIES_NARROW, narrow.layout, exact=True).int8
     if on_gpu:
         assert ops.tile_config(ops.INT8_MIN_QUERIES, wide.layout).block_n == ops.INT8_GROUP_ROWS
-        assert ops.tile_config(ops.INT8_MIN_QUERIES - 1, wide.layout).block_n == 128
+        assert ops.tile_config(ops.INT8_MIN_QUERIES - 1, fractional.layout).block_n == 128
         assert ops.tile_config(ops.INT8_MIN_QUERIES_NARROW, narrow.layout).block_n == 128
         return
     tq, cpu_block, dev_block, rotated, projected = make_case(3.5, "prod", 40, n=101, nq=20, bias=True)

@@ -12,6 +12,7 @@ from tqvec.kv.codec import HeadCodec
 
 kernels = pytest.importorskip("tqvec.kernels.attention")
 from kernel_env import KERNEL_DEVICE  # noqa: E402
+from ptx_emulator import run_ptx  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -127,40 +128,6 @@ def test_attend_rejects_a_wrong_mask():
         scan.attend(bad)
 
 
-def _lop3(a: int, b: int, c: int, lut: int) -> int:
-    """PTX ``lop3``: bit ``i`` of the result is bit ``(a_i << 2) | (b_i << 1) | c_i`` of ``lut``."""
-    out = 0
-    for k in range(8):
-        if (lut >> k) & 1:
-            pick = lambda x, bit: x if bit else ~x  # noqa: E731
-            out |= pick(a, k & 4) & pick(b, k & 2) & pick(c, k & 1)
-    return out
-
-
-def _run_ptx(asm: str, x: int) -> list[int]:
-    """Execute the straight-line PTX subset that :func:`nibble_pair_asm` emits on one 32-bit input ``$4``: ``$0 … $3``."""
-    regs = {"$4": x}
-    val = lambda tok: int(tok, 0) if tok[0].isdigit() else regs[tok]  # noqa: E731
-    for stmt in asm.strip("{} ").split(";"):
-        stmt = stmt.strip()
-        if not stmt or stmt.startswith(".reg"):
-            continue
-        op, args = stmt.split(None, 1)
-        d, *src = [t.strip() for t in args.split(",")]
-        a = [val(t) for t in src]
-        if op == "prmt.b32":
-            pool = a[0] | (a[1] << 32)
-            assert all(((a[2] >> (4 * i)) & 8) == 0 for i in range(4)), "sign-replicate selectors are not emulated"
-            out = sum(((pool >> (8 * ((a[2] >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
-        elif op == "lop3.b32":
-            out = _lop3(a[0], a[1], a[2], a[3])
-        else:
-            out = {"mov.b32": lambda: a[0], "shr.b32": lambda: a[0] >> a[1], "shl.b32": lambda: a[0] << a[1],
-                   "sub.u32": lambda: a[0] - a[1]}[op]()
-        regs[d] = out & 0xFFFFFFFF
-    return [regs[f"${i}"] for i in range(4)]
-
-
 def test_nibble_pair_asm_decodes_every_code():
     """The PTX decoder of 4-bit levels, executed by a small emulator: bit-exact float16 levels of both nibbles of every
     byte lane, all 256 byte values (runs on the GPU only on CUDA; this checks its arithmetic on CPU)."""
@@ -171,7 +138,7 @@ def test_nibble_pair_asm_decodes_every_code():
     halves = lambda word: [word & 0xFFFF, word >> 16]  # noqa: E731
     for first in range(256):
         data = [(first + i * 67) % 256 for i in range(4)]  # every byte value in every lane
-        lo0, lo1, hi0, hi1 = _run_ptx(asm, sum(v << (8 * i) for i, v in enumerate(data)))
+        lo0, lo1, hi0, hi1 = run_ptx(asm, {"$4": sum(v << (8 * i) for i, v in enumerate(data))}, ["$0", "$1", "$2", "$3"])
         assert halves(lo0) + halves(lo1) == [int(expected[v & 15]) for v in data]
         assert halves(hi0) + halves(hi1) == [int(expected[v >> 4]) for v in data]
 
