@@ -1,17 +1,15 @@
-"""Triton kernels of the search's first stage on int8 tensor cores, for large query batches.
+"""Triton kernels of the search's first stage on int8 tensor cores, for query batches.
 
-The float16 tile kernel (:func:`~.scan_kernel.tile_kernel`) decodes each code tile once per tile of queries; with
-thousands of queries the decoding, not the products, bounds it. Here a chunk of rows is decoded once, to signed
-bytes on a common grid (level · 127 / L, L the largest level magnitude of the table), and the chunk is then
-multiplied by every query tile, the queries as signed bytes too (q · 127 / max|q|), with int32 accumulation:
+Rows and queries are signed bytes on common grids (levels · 127 / L, L the largest level magnitude of the table;
+q · 127 / max|q|), multiplied with int32 accumulation:
 
 * :func:`decode_kernel` writes the int8 levels ``(rows, K_PAD)`` of a chunk of packed rows (channels in query
-  order, the padding channels left as they are: zero);
-* :func:`group_max_kernel` multiplies int8 query tiles by the decoded rows and writes each query's best estimate
-  per group of ``GROUP_N`` rows, scaled by the query's factor, as :func:`~.scan_kernel.tile_kernel` does with
-  ``GROUP_MAX`` (so the groups are ranked by the same scores, up to the two 8-bit roundings);
-* :func:`fused_group_max_kernel` does the same from the packed codes of one 4-bit segment, decoding each tile in
-  registers (:func:`~.dp4a_stage.nibble_levels_asm`) instead of reading decoded rows.
+  order, the padding channels left as they are: zero): with thousands of queries, decoding each code tile once per
+  query tile (as the float16 :func:`~.scan_kernel.tile_kernel` does) would bound the search;
+* :func:`group_max_kernel` multiplies int8 query tiles by the decoded rows, or (``FUSED``, one 4-bit segment, smaller
+  batches) by code tiles decoded in registers (:func:`~.dp4a_stage.nibble_levels_asm`), and writes each query's best
+  estimate per group of ``GROUP_N`` rows, scaled by the query's factor, as :func:`~.scan_kernel.tile_kernel` does
+  with ``GROUP_MAX`` (so the groups are ranked by the same scores, up to the two 8-bit roundings).
 
 Segments are passed as constexprs as in :mod:`.scan_kernel`.
 """
@@ -92,37 +90,6 @@ def _store_group_maxima(acc, offs_q, q_mask, rows, row_mask, row_tile, scale_ptr
 
 
 @triton.jit
-def group_max_kernel(
-    q_ptr, rows_ptr, scale_ptr, bias_ptr, qfac_ptr, out_ptr, unit_ptr,
-    nq, n, group0, stride_q, stride_rows, stride_out,
-    K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    GROUP_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_Q: tl.constexpr,
-):
-    """``out[q, group0 + g]`` = max over rows ``i`` of group ``g`` (rows ``g · GROUP_N ..``) of
-    ``unit · scale[i] · ⟨q8, r8_i⟩ + qfac[q] · bias[i]`` for the ``n`` decoded rows ``r8`` ``(n, K_PAD)`` int8 and
-    queries ``q8`` ``(nq, K_PAD)`` int8 (``unit`` read from ``unit_ptr``: the grid's step in level units). A program
-    computes a tile of ``BLOCK_Q`` queries × ``BLOCK_N`` rows, ``BLOCK_N / GROUP_N`` groups.
-
-    Programs run ``GROUP_Q`` query tiles fastest within a band of row tiles (:func:`_tile_of`).
-    """
-    q_tile, row_tile = _tile_of(tl.program_id(0), nq, n, BLOCK_Q, BLOCK_N, GROUP_Q)
-    offs_q = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    rows = row_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    q_mask = offs_q < nq
-    row_mask = rows < n
-    channel = tl.arange(0, BLOCK_K)
-    q_ptrs = q_ptr + offs_q.to(tl.int64)[:, None] * stride_q + channel[None, :]
-    r_ptrs = rows_ptr + rows.to(tl.int64)[:, None] * stride_rows + channel[None, :]
-    acc = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.int32)
-    for k0 in range(0, K_PAD, BLOCK_K):
-        a = tl.load(q_ptrs + k0, mask=q_mask[:, None], other=0)
-        b = tl.load(r_ptrs + k0, mask=row_mask[:, None], other=0)
-        acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
-    _store_group_maxima(acc, offs_q, q_mask, rows, row_mask, row_tile, scale_ptr, bias_ptr, qfac_ptr, unit_ptr, out_ptr,
-                        stride_out, group0, n, HAS_BIAS, BLOCK_Q, BLOCK_N, GROUP_N)
-
-
-@triton.jit
 def _code_tile_levels(row_ptrs, row_mask, k0, grid_ptr, NBYTES: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, ASM: tl.constexpr):
     """Int8 levels ``(BLOCK_N, BLOCK_K)`` of channels ``k0 …`` of 4-bit rows of ``NBYTES`` bytes (masked rows and bytes
@@ -140,35 +107,37 @@ def _code_tile_levels(row_ptrs, row_mask, k0, grid_ptr, NBYTES: tl.constexpr, BL
 
 
 @triton.jit
-def fused_group_max_kernel(
-    q_ptr, packed_ptr, scale_ptr, bias_ptr, qfac_ptr, grid_ptr, out_ptr, unit_ptr,
-    nq, n, stride_q, stride_packed, stride_out,
+def group_max_kernel(
+    q_ptr, rows_ptr, scale_ptr, bias_ptr, qfac_ptr, grid_ptr, out_ptr, unit_ptr,
+    nq, n, group0, stride_q, stride_rows, stride_out,
     K_PAD: tl.constexpr, NBYTES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    GROUP_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_Q: tl.constexpr, ROWS_AS_M: tl.constexpr, ASM: tl.constexpr,
+    GROUP_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_Q: tl.constexpr, FUSED: tl.constexpr, ASM: tl.constexpr,
 ):
-    """:func:`group_max_kernel`'s output (``group0`` 0) from the packed rows of one 4-bit segment, ``NBYTES`` bytes
-    each (``K_PAD``: the query channels, ``2 · NBYTES`` rounded up to ``BLOCK_K``), each tile decoded in registers to
-    the int8 grid levels (``grid_ptr``: 16 float32 integers, read only without ``ASM``). ``ROWS_AS_M``: the decoded rows are the
-    tensor-core product's left operand."""
+    """``out[q, group0 + g]`` = max over rows ``i`` of group ``g`` (rows ``g · GROUP_N ..``) of
+    ``unit · scale[i] · ⟨q8, r8_i⟩ + qfac[q] · bias[i]`` for the ``n`` rows and the queries ``q8`` ``(nq, K_PAD)``
+    int8 (``unit`` read from ``unit_ptr``: the grid's step in level units). A program computes a tile of ``BLOCK_Q``
+    queries × ``BLOCK_N`` rows, ``BLOCK_N / GROUP_N`` groups; programs run ``GROUP_Q`` query tiles fastest within a
+    band of row tiles (:func:`_tile_of`).
+
+    The rows ``r8``: decoded int8 levels ``(n, K_PAD)`` at ``rows_ptr``; or with ``FUSED`` the packed codes of one
+    4-bit segment, ``NBYTES`` bytes per row, each tile decoded in registers to the int8 grid levels (``grid_ptr``: 16
+    float32 integers, read only without ``ASM``, :func:`~.dp4a_stage.nibble_levels_asm`).
+    """
     q_tile, row_tile = _tile_of(tl.program_id(0), nq, n, BLOCK_Q, BLOCK_N, GROUP_Q)
     offs_q = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
     rows = row_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     q_mask = offs_q < nq
     row_mask = rows < n
-    q_ptrs = q_ptr + offs_q.to(tl.int64)[:, None] * stride_q + tl.arange(0, BLOCK_K)[None, :]
-    row_ptrs = packed_ptr + rows.to(tl.int64) * stride_packed
-    if ROWS_AS_M:
-        acc_t = tl.zeros((BLOCK_N, BLOCK_Q), dtype=tl.int32)
-    else:
-        acc = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.int32)
+    channel = tl.arange(0, BLOCK_K)
+    q_ptrs = q_ptr + offs_q.to(tl.int64)[:, None] * stride_q + channel[None, :]
+    row_ptrs = rows_ptr + rows.to(tl.int64) * stride_rows
+    acc = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.int32)
     for k0 in range(0, K_PAD, BLOCK_K):
         a = tl.load(q_ptrs + k0, mask=q_mask[:, None], other=0)
-        b = _code_tile_levels(row_ptrs, row_mask, k0, grid_ptr, NBYTES, BLOCK_N, BLOCK_K, ASM)
-        if ROWS_AS_M:
-            acc_t = tl.dot(b, tl.trans(a), acc_t, out_dtype=tl.int32)
+        if FUSED:
+            b = _code_tile_levels(row_ptrs, row_mask, k0, grid_ptr, NBYTES, BLOCK_N, BLOCK_K, ASM)
         else:
-            acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
-    if ROWS_AS_M:
-        acc = tl.trans(acc_t)
+            b = tl.load(row_ptrs[:, None] + (k0 + channel)[None, :], mask=row_mask[:, None], other=0)
+        acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
     _store_group_maxima(acc, offs_q, q_mask, rows, row_mask, row_tile, scale_ptr, bias_ptr, qfac_ptr, unit_ptr, out_ptr,
-                        stride_out, 0, n, HAS_BIAS, BLOCK_Q, BLOCK_N, GROUP_N)
+                        stride_out, group0, n, HAS_BIAS, BLOCK_Q, BLOCK_N, GROUP_N)

@@ -60,7 +60,7 @@ from . import topk as topk_kernels
 from .dp4a_stage import CHANNELS_PER_WORD, dp4a_asm, dp4a_group_max_kernel, int8_queries_kernel, nibble_levels_asm
 from .encode_kernel import encode_kernel
 from .graphs import GraphCache, capture_graph
-from .int8_stage import decode_kernel, fused_group_max_kernel, group_max_kernel
+from .int8_stage import decode_kernel, group_max_kernel
 from .launch import cdiv, pow2
 from .scan_kernel import half_queries_kernel, matvec_kernel, refine_kernel, tile_kernel
 from .unpack import table_nibble_pair_asm
@@ -110,7 +110,8 @@ INT8_STAGES = 3
 #: 1536; of 10,000 queries 1.03-1.32x slower than decoding the rows once (bench/results/gpu_scan_runs/*-dp4a)
 INT8_FUSED_MIN_QUERIES = 16
 INT8_FUSED_MAX_QUERIES = 512
-#: its rows per tile, channels per ``tl.dot`` step, pipelined load stages
+#: its rows per tile, channels per ``tl.dot`` step, pipelined load stages (1M rows, 100 queries: 64 channels or 2 stages
+#: 1.1-1.3x slower; 2-8 row tiles per program no faster, bench/results/gpu_scan_runs/*-dp4a)
 FUSED_TILE_ROWS = 128
 FUSED_BLOCK_K = 128
 FUSED_STAGES = 3
@@ -494,10 +495,14 @@ def _int8_grid(table: CodeTable) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _int8_queries(q: torch.Tensor, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(nq, channels)`` int8 ``round(q · qfac)`` (zero past ``q``'s channels) and ``qfac = 127 / max|q|``."""
-    qfac = 127 / q.abs().amax(1).clamp_min(1e-30)
-    q8 = torch.zeros(q.shape[0], channels, dtype=torch.int8, device=q.device)
-    q8[:, : q.shape[1]] = torch.round(q * qfac[:, None]).to(torch.int8)
+    """``(nq, channels)`` int8 ``⌊q · qfac + 1/2⌋`` (zero past ``q``'s channels) and ``qfac = 127 / max|q|`` (one launch
+    of :func:`~.dp4a_stage.int8_queries_kernel`)."""
+    nq = q.shape[0]
+    q8 = torch.empty(nq, channels, dtype=torch.int8, device=q.device)
+    qfac = torch.empty(nq, dtype=torch.float32, device=q.device)
+    if nq:
+        int8_queries_kernel[(nq,)](q, q8, qfac, q.stride(0), q8.stride(0), D=q.shape[1], CHANNELS=channels,
+                                   BLOCK=pow2(channels), num_warps=4)
     return q8, qfac
 
 
@@ -527,12 +532,8 @@ def _dp4a_group_maxima(
 ) -> None:
     """Stage 1 by :func:`~.dp4a_stage.dp4a_group_max_kernel`: ``out`` ``(nq, cdiv(n, cfg.block_n))`` = each query's
     best int8 estimate per group, times its ``qfac`` (as :func:`_int8_group_maxima`)."""
-    nq, n_words = q.shape[0], words.shape[1]
-    channels = n_words * CHANNELS_PER_WORD
-    q8 = torch.empty(nq, channels, dtype=torch.int8, device=q.device)
-    qfac = torch.empty(nq, dtype=torch.float32, device=q.device)
-    int8_queries_kernel[(nq,)](q, q8, qfac, q.stride(0), q8.stride(0), D=q.shape[1], CHANNELS=channels,
-                               BLOCK=pow2(channels), num_warps=4)
+    n_words = words.shape[1]
+    q8, qfac = _int8_queries(q, n_words * CHANNELS_PER_WORD)
     q_words = q8.view(torch.int32)
     grid, unit = _int8_grid(table)
     scale = block.scale.float().contiguous()
@@ -560,14 +561,15 @@ def _int8_group_maxima(q: torch.Tensor, block: CodeBlock, table: CodeTable, out:
     bias = None if block.bias is None else block.bias.float().contiguous()
     nq, n = q.shape[0], len(block)
     stages = 1 if interpreting() else (FUSED_STAGES if fused else INT8_STAGES)
+    launch = {"K_PAD": channels, "NBYTES": table.layout.row_bytes, "HAS_BIAS": bias is not None, "BLOCK_Q": cfg.block_q,
+              "BLOCK_N": tile_rows, "GROUP_N": cfg.block_n, "BLOCK_K": block_k, "GROUP_Q": INT8_GROUP_Q, "FUSED": fused,
+              "ASM": _table_int8_asm(table, nibble_levels_asm) if fused else "", "num_warps": cfg.num_warps,
+              "num_stages": stages}
+    bias_ptr = _dummy(bias, scale)
     if fused:
-        fused_group_max_kernel[(cdiv(nq, cfg.block_q) * cdiv(n, tile_rows),)](
-            q8, block.packed, scale, _dummy(bias, scale), qfac, grid, out, unit, nq, n, q8.stride(0),
-            block.packed.stride(0), out.stride(0), K_PAD=channels, NBYTES=table.layout.row_bytes,
-            HAS_BIAS=bias is not None, BLOCK_Q=cfg.block_q, BLOCK_N=tile_rows, GROUP_N=cfg.block_n, BLOCK_K=block_k,
-            GROUP_Q=INT8_GROUP_Q, ROWS_AS_M=cfg.rows_as_m, ASM=_table_int8_asm(table, nibble_levels_asm),
-            num_warps=cfg.num_warps, num_stages=stages,
-        )
+        group_max_kernel[(cdiv(nq, cfg.block_q) * cdiv(n, tile_rows),)](
+            q8, block.packed, scale, bias_ptr, qfac, grid, out, unit, nq, n, 0, q8.stride(0), block.packed.stride(0),
+            out.stride(0), **launch)
         return
     chunk = min(cdiv(n, tile_rows), max(1, INT8_CHUNK_BYTES // (channels * tile_rows))) * tile_rows
     decoded = torch.zeros(chunk, channels, dtype=torch.int8, device=q.device)
@@ -580,11 +582,8 @@ def _int8_group_maxima(q: torch.Tensor, block: CodeBlock, table: CodeTable, out:
             BLOCK_N=decode_n, BLOCK_D=_pow2_clamp(max(d for d, _ in table.layout.segments), 8, 64), num_warps=4,
         )
         group_max_kernel[(cdiv(nq, cfg.block_q) * cdiv(rows, tile_rows),)](
-            q8, decoded, scale[first:], _dummy(None if bias is None else bias[first:], scale), qfac, out, unit,
-            nq, rows, first // cfg.block_n, q8.stride(0), decoded.stride(0), out.stride(0),
-            K_PAD=channels, HAS_BIAS=bias is not None, BLOCK_Q=cfg.block_q, BLOCK_N=tile_rows, GROUP_N=cfg.block_n,
-            BLOCK_K=block_k, GROUP_Q=INT8_GROUP_Q, num_warps=cfg.num_warps, num_stages=stages,
-        )
+            q8, decoded, scale[first:], bias_ptr if bias is None else bias[first:], qfac, grid, out, unit, nq, rows,
+            first // cfg.block_n, q8.stride(0), decoded.stride(0), out.stride(0), **launch)
 
 
 def _topk_block() -> int | None:

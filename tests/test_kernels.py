@@ -225,21 +225,20 @@ def int8_stage_bound(rotated: torch.Tensor, cpu_block: scan.CodeBlock, table: sc
     return cpu_block.scale.abs() * (per_row + largest / 254 * (qfac[:, None] * rotated.abs()).sum(1, keepdim=True))
 
 
-INT8_STAGES = {"decoded": ({"int8_fused": False}, {"int8": True}),
-               "fused": ({}, {"int8": True}), "fused, rows as M": ({}, {"int8": True, "rows_as_m": True}),
+INT8_STAGES = {"decoded": ({"int8_fused": False}, {"int8": True}), "fused": ({}, {"int8": True}),
                "dp4a": ({}, {"dp4a": True, "tiles": 2})}
 
 
 @pytest.mark.parametrize("bits,mode,dim,group,stage", [
-    (4, "mse", 40, 32, "decoded"), (4, "mse", 40, 32, "fused"), (4, "mse", 40, 16, "fused, rows as M"),
+    (4, "mse", 40, 32, "decoded"), (4, "mse", 40, 32, "fused"), (4, "mse", 40, 16, "fused"),
     (4, "mse", 40, 16, "dp4a"), (4, "mse", 64, 32, "dp4a"), (3.5, "mse", 64, 16, "decoded"),
     (5, "mse", 24, 16, "decoded"), (1, "mse", 40, 32, "decoded")])
 def test_int8_stage_one(monkeypatch: pytest.MonkeyPatch, bits: float, mode: str, dim: int, group: int,
                         stage: str) -> None:
     """Stage 1 on int8 levels and queries: tensor-core tiles over rows decoded in chunks (several, the last ragged) or
     decoded in registers (``fused``: 40 channels, so the last 32-channel step runs past the row), or ``dp4a`` products
-    on CUDA cores; group maxima (one or two groups per 32-row tile) within the rounding bound of both operands, and
-    the search's answer equal to the reference."""
+    on CUDA cores; group maxima (one or two groups per 32-row tile) within the
+    rounding bound of both operands, and the search's answer equal to the reference."""
     monkeypatch.setattr(ops, "INT8_CHUNK_BYTES", 3 * 32 * 64)
     tq, cpu_block, dev_block, rotated, _ = make_case(bits, mode, dim, n=300, nq=20, bias=True)
     table = tq.table("cpu")
