@@ -298,7 +298,9 @@ def check() -> bool:
 
 
 def _check_case(bits: float, mode: str, d: int, n: int, nq: int) -> bool:
-    """One check configuration; prints its errors and returns whether it passed."""
+    """One check configuration; prints its errors and returns whether it passed. The reference top-k is the exact
+    float32 one (``scan.scores``): the native CPU search's two-stage scan may miss a row (docs/native.md), so it is no
+    oracle here."""
     tq = TurboQuantizer(d, bits, mode=mode, seed=3)
     x = torch.randn(n, d, device="cuda")
     codes = tq.encode(x.cpu())
@@ -310,12 +312,12 @@ def _check_case(bits: float, mode: str, d: int, n: int, nq: int) -> bool:
     ref = scan.scores(rotated, block_cpu, tq.table("cpu"), projected)
     got = ops.scores(rotated.cuda(), block, tq.table("cuda"), to_cuda(projected)).cpu()
     err = ((got - ref).norm() / ref.norm()).item()
-    rv, rr = scan.search(rotated, block_cpu, tq.table("cpu"), 10, projected)
+    rv, rr = torch.topk(ref, min(10, n), dim=1)
     gv, gr = (t.cpu() for t in ops.search(rotated.cuda(), block, tq.table("cuda"), 10, to_cuda(projected)))
     verr = ((gv - rv).abs().max() / rv.abs().max()).item()
     ids = (gr == rr).float().mean().item()
     rotated2, projected2 = tq.rotate_queries(torch.randn(nq, d))
-    rv2, _ = scan.search(rotated2, block_cpu, tq.table("cpu"), 10, projected2)
+    rv2 = torch.topk(scan.scores(rotated2, block_cpu, tq.table("cpu"), projected2), min(10, n), dim=1).values
     gv2 = ops.search(rotated2.cuda(), block, tq.table("cuda"), 10, to_cuda(projected2))[0].cpu()  # captured
     gv3 = ops.search(rotated.cuda(), block, tq.table("cuda"), 10, to_cuda(projected))[0].cpu()  # replayed
     verr = max(verr, ((gv2 - rv2).abs().max() / rv2.abs().max()).item(), ((gv3 - rv).abs().max() / rv.abs().max()).item())
