@@ -57,6 +57,11 @@ def _decode_ptx(levels: torch.Tensor, word: str) -> str:
     )
 
 
+def _ptx_block(levels: torch.Tensor, word: str, tail: str) -> str:
+    """``{ decoder of word; tail }`` (:func:`_decode_ptx`), or ``""`` on ROCm builds of torch, whose GPUs take no PTX."""
+    return "" if torch.version.hip is not None else "{ " + _decode_ptx(levels, word) + tail + " }"
+
+
 def dp4a_asm(levels: torch.Tensor) -> str:
     """PTX for ``tl.inline_asm_elementwise(pack=1)``: ``$0 = $4 + Σ_c level[code_c] · q_c`` over the eight 4-bit codes
     of the word ``$1`` (channel ``c`` in bits ``4c … 4c + 3``) and the int8 query channels 0-3 in ``$2``, 4-7 in
@@ -70,9 +75,7 @@ def dp4a_asm(levels: torch.Tensor) -> str:
     ValueError
         ``levels`` are not 16 integers in [-127, 127].
     """
-    if torch.version.hip is not None:
-        return ""
-    return "{ " + _decode_ptx(levels, "$1") + ".reg .b32 t; dp4a.s32.s32 t, v, $2, $4; dp4a.s32.s32 $0, w, $3, t; }"
+    return _ptx_block(levels, "$1", ".reg .b32 t; dp4a.s32.s32 t, v, $2, $4; dp4a.s32.s32 $0, w, $3, t;")
 
 
 def nibble_levels_asm(levels: torch.Tensor) -> str:
@@ -85,9 +88,7 @@ def nibble_levels_asm(levels: torch.Tensor) -> str:
     ValueError
         ``levels`` are not 16 integers in [-127, 127].
     """
-    if torch.version.hip is not None:
-        return ""
-    return "{ " + _decode_ptx(levels, "$2") + "prmt.b32 $0, v, w, 0x6420; prmt.b32 $1, v, w, 0x7531; }"
+    return _ptx_block(levels, "$2", "prmt.b32 $0, v, w, 0x6420; prmt.b32 $1, v, w, 0x7531;")
 
 
 @triton.jit
