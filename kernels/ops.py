@@ -136,8 +136,9 @@ class TileConfig:
     the float16 tiles.
 
     ``dp4a``: search stage 1 of one query over one 4-bit segment by :mod:`.dp4a_stage` instead: ``block_n`` rows per
-    tile, ``block_d`` 32-bit code words per step, ``tiles`` tiles per program (codes whose rows cannot be read as
-    aligned 32-bit words take the ``matvec`` kernel with the same rows and tiles).
+    tile, ``block_d`` 32-bit code words per step, ``tiles`` tiles per program (codes it cannot read — other layouts,
+    QJL signs, rows that are not whole aligned 32-bit words — take the ``matvec`` kernel with the same rows and
+    tiles).
     """
 
     block_q: int
@@ -468,7 +469,7 @@ def group_maxima(
     is the query's maxima times its ``qfac``, which leaves the ranking of its groups unchanged).
     """
     out = torch.empty(q.shape[0], cdiv(len(block), cfg.block_n), dtype=torch.float32, device=q.device)
-    words = _code_words(block) if cfg.dp4a and p is None else None
+    words = _code_words(block) if cfg.dp4a and _dp4a_serves(block, table) else None
     if words is not None:
         _dp4a_group_maxima(q, words, block, table, out, cfg)
     elif cfg.dp4a:
@@ -504,6 +505,13 @@ def _int8_queries(q: torch.Tensor, channels: int) -> tuple[torch.Tensor, torch.T
         int8_queries_kernel[(nq,)](q, q8, qfac, q.stride(0), q8.stride(0), D=q.shape[1], CHANNELS=channels,
                                    BLOCK=pow2(channels), num_warps=4)
     return q8, qfac
+
+
+def _dp4a_serves(block: CodeBlock, table: CodeTable) -> bool:
+    """True when :mod:`.dp4a_stage` can read these codes: one 4-bit segment of a multiple of 8 channels, no QJL signs."""
+    segments = table.layout.segments
+    return (block.signs is None and len(segments) == 1 and segments[0][1] == 4
+            and segments[0][0] % CHANNELS_PER_WORD == 0)
 
 
 def _code_words(block: CodeBlock) -> torch.Tensor | None:

@@ -97,6 +97,17 @@ def test_dp4a_search_matches_the_reference(dim: int, n: int, bias: bool) -> None
 
 
 @needs_kernels
+@pytest.mark.parametrize("bits,mode", [(2, "mse"), (3.5, "prod")])
+def test_a_dp4a_config_on_other_codes_takes_the_matvec_kernel(bits: float, mode: str) -> None:
+    """A dp4a tiling passed for codes the stage cannot read (2 bits; QJL signs) still answers right."""
+    tq, cpu_block, dev_block, rotated, projected = make_case(bits, mode, 64, n=300, nq=2, bias=True)
+    config = ops.TileConfig(1, 16, 4, tiles=2, dp4a=True)
+    got = ops.search(dev(rotated), dev_block, tq.table(KERNEL_DEVICE), 5, dev(projected), config=config)
+    ref = scan.scores(rotated, cpu_block, tq.table("cpu"), projected)
+    assert_topk_equal(got, scan.search(rotated, cpu_block, tq.table("cpu"), 5, projected), ref)
+
+
+@needs_kernels
 def test_dp4a_stage_reads_unaligned_codes_through_the_matvec_kernel() -> None:
     """Codes whose rows are not whole aligned 32-bit words (a view one byte into a wider buffer) still search right."""
     tq, cpu_block, dev_block, rotated, _ = make_case(4, "mse", 64, n=300, nq=1, bias=False)
