@@ -282,7 +282,7 @@ def check() -> bool:
     cases = [(4, "mse", 128, 20001, 100), (4, "mse", 128, 20001, 1), (2, "mse", 1536, 5003, 37), (1, "mse", 128, 5003, 300),
              (3, "mse", 100, 5003, 5), (2.5, "mse", 128, 5003, 100), (3.5, "prod", 96, 5003, 20), (1, "prod", 64, 5003, 3),
              (4, "mse", 128, 5003, 64), (4, "prod", 128, 5003, 130), (8, "mse", 1536, 3001, 200),
-             (4, "mse", 12, 3001, 20), (2, "mse", 16, 3001, 3),  # below MIN_BLOCK_D channels
+             (4, "mse", 12, 3001, 20), (4, "mse", 12, 3001, 9), (2, "mse", 16, 3001, 3),  # below MIN_BLOCK_D channels
              (4, "mse", 384, 5003, 1), (4, "mse", 768, 5003, 100), (4, "mse", 1024, 5003, 1), (4, "mse", 1536, 5003, 100),
              (4, "mse", 768, 5003, 7), (4, "mse", 1536, 20001, 16),  # 4-bit levels by byte permutes, 2-16 queries
              # the int8 stage 1 (ops.INT8_MIN_QUERIES): two segments, bias, a ragged 128 MiB chunk at d = 1536

@@ -119,7 +119,7 @@ def dp4a_group_max_kernel(
     ASM: tl.constexpr,
 ):
     """Program ``(query, j)``: for ``TILES`` consecutive tiles ``t`` of ``BLOCK_N`` rows, ``out[query, t]`` = the best
-    over the tile's rows ``i`` of ``unit · scale[i] · ⟨q8, r8_i⟩ + qfac[query] · bias[i]``.
+    over the tile's rows ``i`` of ``unit / qfac[query] · scale[i] · ⟨q8, r8_i⟩ + bias[i]`` (``q8 ≈ qfac · q``).
 
     ``q_ptr``: the int8 queries viewed as int32 words ``(nq, 2 · WORDS)``; ``words_ptr``: the rows' codes as int32
     words ``(n, WORDS)`` (one 4-bit segment, channel ``8w + c`` in bits ``4c …`` of word ``w``); ``grid_ptr``: the 16
@@ -128,6 +128,7 @@ def dp4a_group_max_kernel(
     """
     query = tl.program_id(0).to(tl.int64)
     q_row = q_ptr + query * stride_q
+    per_query = tl.load(unit_ptr) / tl.load(qfac_ptr + query)
     for t in range(TILES):
         tile = tl.program_id(1) * TILES + t
         rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -141,10 +142,9 @@ def dp4a_group_max_kernel(
             q_low = tl.broadcast_to(tl.load(q_row + 2 * w, mask=w_mask, other=0)[None, :], (BLOCK_N, BLOCK_W))
             q_high = tl.broadcast_to(tl.load(q_row + 2 * w + 1, mask=w_mask, other=0)[None, :], (BLOCK_N, BLOCK_W))
             acc = _word_products(acc, codes, q_low, q_high, grid_ptr, ASM)
-        scores = tl.sum(acc, axis=1).to(tl.float32) * (tl.load(unit_ptr) * tl.load(scale_ptr + rows, mask=row_mask,
-                                                                                   other=0.0))
+        scores = tl.sum(acc, axis=1).to(tl.float32) * (per_query * tl.load(scale_ptr + rows, mask=row_mask, other=0.0))
         if HAS_BIAS:
-            scores += tl.load(qfac_ptr + query) * tl.load(bias_ptr + rows, mask=row_mask, other=0.0)
+            scores += tl.load(bias_ptr + rows, mask=row_mask, other=0.0)
         if tile * BLOCK_N < n:
             tl.store(out_ptr + query * stride_out + tile, tl.max(tl.where(row_mask, scores, float("-inf")), axis=0))
 

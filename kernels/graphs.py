@@ -60,6 +60,7 @@ class _Entry:
     inputs: Tensors
     outputs: Tensors
     copied_out: torch.cuda.Event
+    keep: object = None  # what the graph reads through (see GraphCache.run), alive as long as the entry
 
 
 class GraphCache:
@@ -77,7 +78,8 @@ class GraphCache:
                     entry.copied_out.synchronize()
             self._entries.clear()
 
-    def run(self, key: Hashable, fn: Callable[..., Tensors], inputs: Sequence[torch.Tensor], capacity: int) -> Tensors:
+    def run(self, key: Hashable, fn: Callable[..., Tensors], inputs: Sequence[torch.Tensor], capacity: int,
+            keep: object = None) -> Tensors:
         """``fn(*inputs)``: eager on the key's first call, captured on its second, replayed after.
 
         Parameters
@@ -91,6 +93,10 @@ class GraphCache:
             Copied into the graph's static buffers on replay (same shapes and dtypes on every call with ``key``).
         capacity : int
             Graphs kept; the least recently used beyond it are dropped.
+        keep : object, optional
+            Held by the captured entry while it lives: an object whose derived buffers the graph reads by address (a
+            code table's look-up tables), so that neither its memory nor its ``id`` (which a key may hold) is
+            taken by another object meanwhile.
 
         Returns
         -------
@@ -107,7 +113,7 @@ class GraphCache:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                entry = self._entries[key] = self._capture(fn, inputs)
+                entry = self._entries[key] = self._capture(fn, inputs, keep)
             self._entries.move_to_end(key)
             self._evict(capacity)
             stream = torch.cuda.current_stream(inputs[0].device)
@@ -120,10 +126,10 @@ class GraphCache:
             return outputs
 
     @staticmethod
-    def _capture(fn: Callable[..., Tensors], inputs: Sequence[torch.Tensor]) -> _Entry:
+    def _capture(fn: Callable[..., Tensors], inputs: Sequence[torch.Tensor], keep: object) -> _Entry:
         static = tuple(t.clone() for t in inputs)
         graph, outputs = capture_graph(lambda: fn(*static), static[0].device)
-        return _Entry(graph, static, tuple(outputs), torch.cuda.Event())
+        return _Entry(graph, static, tuple(outputs), torch.cuda.Event(), keep)
 
     def _evict(self, capacity: int) -> None:
         while len(self._entries) > capacity:

@@ -8,8 +8,9 @@ q · 127 / max|q|), multiplied with int32 accumulation:
   query tile (as the float16 :func:`~.scan_kernel.tile_kernel` does) would bound the search;
 * :func:`group_max_kernel` multiplies int8 query tiles by the decoded rows, or (``FUSED``, one 4-bit segment, smaller
   batches) by code tiles decoded in registers (:func:`~.dp4a_stage.nibble_levels_asm`), and writes each query's best
-  estimate per group of ``GROUP_N`` rows, scaled by the query's factor, as :func:`~.scan_kernel.tile_kernel` does
-  with ``GROUP_MAX`` (so the groups are ranked by the same scores, up to the two 8-bit roundings).
+  score estimate per group of ``GROUP_N`` rows (the products divided by the queries' scale factor, so a zero query
+  ranks its groups by their bias), as :func:`~.scan_kernel.tile_kernel` does with ``GROUP_MAX`` up to the two 8-bit
+  roundings.
 
 Segments are passed as constexprs as in :mod:`.scan_kernel`.
 """
@@ -72,12 +73,12 @@ def _tile_of(pid, nq, n, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_Q: 
 def _store_group_maxima(acc, offs_q, q_mask, rows, row_mask, row_tile, scale_ptr, bias_ptr, qfac_ptr, unit_ptr,
                         out_ptr, stride_out, group0, n, HAS_BIAS: tl.constexpr, BLOCK_Q: tl.constexpr,
                         BLOCK_N: tl.constexpr, GROUP_N: tl.constexpr):
-    """Scale the int32 products ``acc`` ``(BLOCK_Q, BLOCK_N)`` to estimates (``unit · scale[i] · acc + qfac[q] ·
+    """Scale the int32 products ``acc`` ``(BLOCK_Q, BLOCK_N)`` to score estimates (``unit / qfac[q] · scale[i] · acc +
     bias[i]``) and store each query's best per group of ``GROUP_N`` rows at ``out[q, group0 + group]``."""
-    scores = acc.to(tl.float32) * (tl.load(unit_ptr) * tl.load(scale_ptr + rows, mask=row_mask, other=0.0))[None, :]
+    per_query = tl.load(unit_ptr) / tl.load(qfac_ptr + offs_q, mask=q_mask, other=1.0)
+    scores = acc.to(tl.float32) * per_query[:, None] * tl.load(scale_ptr + rows, mask=row_mask, other=0.0)[None, :]
     if HAS_BIAS:
-        qfac = tl.load(qfac_ptr + offs_q, mask=q_mask, other=0.0)
-        scores += qfac[:, None] * tl.load(bias_ptr + rows, mask=row_mask, other=0.0)[None, :]
+        scores += tl.load(bias_ptr + rows, mask=row_mask, other=0.0)[None, :]
     scores = tl.where(row_mask[None, :], scores, float("-inf"))
     out_ptrs = out_ptr + offs_q.to(tl.int64) * stride_out + group0
     if GROUP_N == BLOCK_N:
@@ -114,10 +115,10 @@ def group_max_kernel(
     GROUP_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_Q: tl.constexpr, FUSED: tl.constexpr, ASM: tl.constexpr,
 ):
     """``out[q, group0 + g]`` = max over rows ``i`` of group ``g`` (rows ``g · GROUP_N ..``) of
-    ``unit · scale[i] · ⟨q8, r8_i⟩ + qfac[q] · bias[i]`` for the ``n`` rows and the queries ``q8`` ``(nq, K_PAD)``
-    int8 (``unit`` read from ``unit_ptr``: the grid's step in level units). A program computes a tile of ``BLOCK_Q``
-    queries × ``BLOCK_N`` rows, ``BLOCK_N / GROUP_N`` groups; programs run ``GROUP_Q`` query tiles fastest within a
-    band of row tiles (:func:`_tile_of`).
+    ``unit / qfac[q] · scale[i] · ⟨q8, r8_i⟩ + bias[i]`` for the ``n`` rows and the queries ``q8`` ``(nq, K_PAD)``
+    int8, ``q8 ≈ qfac · q`` (``unit`` read from ``unit_ptr``: the grid's step in level units). A program computes a
+    tile of ``BLOCK_Q`` queries × ``BLOCK_N`` rows, ``BLOCK_N / GROUP_N`` groups; programs run ``GROUP_Q`` query tiles
+    fastest within a band of row tiles (:func:`_tile_of`).
 
     The rows ``r8``: decoded int8 levels ``(n, K_PAD)`` at ``rows_ptr``; or with ``FUSED`` the packed codes of one
     4-bit segment, ``NBYTES`` bytes per row, each tile decoded in registers to the int8 grid levels (``grid_ptr``: 16

@@ -16,8 +16,8 @@ Search runs in two stages and never writes the ``(nq, n)`` score matrix:
    :attr:`SearchSettings.tile_permutes`). Large batches
    (:data:`INT8_MIN_QUERIES`) go through :mod:`.int8_stage` instead: rows decoded once per search to int8
    levels, queries scaled by ``127 / max|q|`` and rounded to int8, int32 products on tensor cores; over one 4-bit
-   segment, batches of :data:`INT8_FUSED_MIN_QUERIES` to :data:`INT8_FUSED_MAX_QUERIES` decode each code tile in
-   registers instead (:attr:`SearchSettings.int8_fused`).
+   segment, batches of more than :data:`INT8_FUSED_MIN_QUERIES` and fewer than :data:`INT8_FUSED_MAX_QUERIES`
+   decode each code tile in registers instead (:attr:`SearchSettings.int8_fused`).
 2. :func:`~.topk.row_topk` (Triton, exact up to the order of ties; see :mod:`.topk`) picks the
    ``k + GROUP_MARGIN`` best groups per query, and :func:`~.scan_kernel.refine_kernel` rescores their
    rows in exact float32, keeping each refined slice's best ``k`` (rounded up to a power of two); a last
@@ -38,7 +38,8 @@ copy the queries in and replay it, which removes ~0.2 ms of launch overhead per 
 them. Concurrent searches from several threads are safe (:class:`~.graphs.GraphCache` serializes replays).
 
 :class:`SearchSettings` (read with :func:`settings`, changed for a block with :func:`configured`) switch graphs,
-the Triton top-k and the byte-permute decoding; they live in a context variable, so a change applies to the calling thread only.
+the Triton top-k, the byte-permute decoding and the int8 stages; they live in a context variable, so a change applies
+to the calling thread only.
 """
 from __future__ import annotations
 
@@ -82,6 +83,9 @@ MATVEC_PERMUTES_MAX_DIM = 1536
 #: rows 64 rows x 16 words, 4 tiles. H200, 4 bits, stage 1 alone: 1M x 384 / 768 / 1536 rows at 50-51% of the copy
 #: bandwidth, 4M x 1536 68%, 10M x 128 72% (the float32 matvec: 21-35%; bench/results/gpu_scan_runs/*-dp4a)
 DP4A_WIDE_WORDS = 32
+#: most programs along a CUDA grid's second axis (the row tiles of the single-query kernels, which take more tiles per
+#: program where needed)
+MAX_GRID_Y = 65535
 #: rows per program of :func:`~.scan_kernel.refine_kernel` (chosen groups are refined in such slices)
 REFINE_ROWS = 128
 #: query batches of at least this many run stage 1 on int8 tensor cores (:mod:`.int8_stage`: rows decoded once per
@@ -131,9 +135,9 @@ class TileConfig:
     ``num_stages`` stays 1: software pipelining of the dependent code/level loads measured up to
     10× slower on the H200.
 
-    ``int8``: search stage 1 by :mod:`.int8_stage` instead (rows decoded once to int8, ``block_q`` ×
-    :data:`INT8_TILE_ROWS` tiles on int8 tensor cores, maxima per group of ``block_n`` rows); codes with QJL signs keep
-    the float16 tiles.
+    ``int8``: search stage 1 by :mod:`.int8_stage` instead (rows decoded to int8 once, or per tile in registers:
+    ``block_q`` × :data:`INT8_TILE_ROWS` or :data:`FUSED_TILE_ROWS` tiles on int8 tensor cores, maxima per group of
+    ``block_n`` rows); codes with QJL signs keep the float16 tiles.
 
     ``dp4a``: search stage 1 of one query over one 4-bit segment by :mod:`.dp4a_stage` instead: ``block_n`` rows per
     tile, ``block_d`` 32-bit code words per step, ``tiles`` tiles per program (codes it cannot read — other layouts,
@@ -185,7 +189,8 @@ class SearchSettings:
         (:mod:`.dp4a_stage`); off: the float32 :func:`~.scan_kernel.matvec_kernel` (``matvec_permutes`` applies).
     int8_fused : bool
         The int8 tensor-core stage 1 over one 4-bit segment decodes each code tile in registers
-        (:func:`~.int8_stage.fused_group_max_kernel`); off: rows are decoded to a buffer first, chunk by chunk.
+        (:func:`~.int8_stage.group_max_kernel` with ``FUSED``); off: rows are decoded to a buffer first, chunk by
+        chunk.
     """
 
     cuda_graphs: bool = True
@@ -266,7 +271,8 @@ def tile_config(nq: int, layout: Layout, exact: bool = False, n: int = 0) -> Til
     float32 (``matvec``), with more tiles per program on large ``n``
     (measured on the H200 at 1M and 10M rows); a search of many queries on int8 tensor cores (``int8``, from
     :data:`INT8_MIN_QUERIES` queries, or :data:`INT8_MIN_QUERIES_NARROW` for rows of at most
-    :data:`INT8_NARROW_DIM` channels; over one 4-bit segment from :data:`INT8_FUSED_MIN_QUERIES`, decoding in registers).
+    :data:`INT8_NARROW_DIM` channels; over one 4-bit segment between :data:`INT8_FUSED_MIN_QUERIES` and
+    :data:`INT8_FUSED_MAX_QUERIES` queries, exclusive, decoding in registers).
     """
     widest = max(d for d, _ in layout.segments)
     four_bit = {b for d, b in layout.segments if d and b} == {4}
@@ -286,7 +292,7 @@ def tile_config(nq: int, layout: Layout, exact: bool = False, n: int = 0) -> Til
         return TileConfig(1, 32, 64, tiles=128 if n > 1 << 21 else 32, matvec=True)
     fusable = not exact and four_bit and single and settings().int8_fused
     int8 = not exact and (nq >= (INT8_MIN_QUERIES_NARROW if layout.dim <= INT8_NARROW_DIM else INT8_MIN_QUERIES)
-                          or (fusable and nq > INT8_FUSED_MIN_QUERIES))
+                          or (fusable and INT8_FUSED_MIN_QUERIES < nq < INT8_FUSED_MAX_QUERIES))
     if interpreting():
         return TileConfig(block_q=16, block_n=32, block_d=_pow2_clamp(widest, MIN_BLOCK_D, 32), int8=int8)
     block_q = _pow2_clamp(nq, 16, 128)
@@ -447,16 +453,22 @@ def _permute_asm(table: CodeTable, enabled: bool) -> str:
     return table_nibble_pair_asm(table) if enabled and not interpreting() else ""
 
 
+def _tiles_per_program(groups: int, cfg: TileConfig) -> int:
+    """``cfg.tiles``, or more where ``groups`` row tiles would need more than :data:`MAX_GRID_Y` programs."""
+    return max(cfg.tiles, cdiv(groups, MAX_GRID_Y))
+
+
 def _launch_matvec(
     q: torch.Tensor, p: torch.Tensor | None, block: CodeBlock, table: CodeTable, out: torch.Tensor, cfg: TileConfig,
 ) -> None:
     """:func:`~.scan_kernel.matvec_kernel`: exact group maxima ``out`` ``(nq, cdiv(n, cfg.block_n))``."""
     pp = q if p is None else p
-    matvec_kernel[(q.shape[0], cdiv(out.shape[1], cfg.tiles))](
+    tiles = _tiles_per_program(out.shape[1], cfg)
+    matvec_kernel[(q.shape[0], cdiv(out.shape[1], tiles))](
         q, pp, **_operands(block, p), levels_ptr=table.levels, out_ptr=out, n=len(block), stride_q=q.stride(0),
         stride_p=pp.stride(0), **_row_strides(block), stride_out=out.stride(0), **segment_args(table.layout),
         **_flags(block, p), BLOCK_N=cfg.block_n, BLOCK_B=_pow2_clamp(max(table.layout.segment_bytes), 1, cfg.block_d),
-        TILES=cfg.tiles, ASM=_permute_asm(table, settings().matvec_permutes), num_warps=cfg.num_warps,
+        TILES=tiles, ASM=_permute_asm(table, settings().matvec_permutes), num_warps=cfg.num_warps,
     )
 
 
@@ -465,8 +477,10 @@ def group_maxima(
 ) -> torch.Tensor:
     """Search stage 1: ``(nq, cdiv(n, cfg.block_n))`` float32, each query's best score per group of rows.
 
-    With ``cfg.matvec`` exact; else from float16 queries scaled by ``qfac = 1 / max|q|`` (so each row
-    is the query's maxima times its ``qfac``, which leaves the ranking of its groups unchanged).
+    With ``cfg.matvec`` exact (levels as float16 with byte permutes); the int8 stages (``cfg.dp4a``, ``cfg.int8``)
+    estimates from int8 levels and queries, in score units; the float16 tiles from float16 queries scaled by
+    ``qfac = 1 / max|q|`` (so each row is the query's maxima times its ``qfac``, which leaves the ranking of its
+    groups unchanged).
     """
     out = torch.empty(q.shape[0], cdiv(len(block), cfg.block_n), dtype=torch.float32, device=q.device)
     words = _code_words(block) if cfg.dp4a and _dp4a_serves(block, table) else None
@@ -518,7 +532,7 @@ def _code_words(block: CodeBlock) -> torch.Tensor | None:
     """``block.packed`` viewed as int32 words ``(n, row_bytes / 4)`` (no copy), or ``None`` where its rows are not
     whole aligned words."""
     packed = block.packed
-    if packed.shape[1] % 4 or packed.stride(1) != 1 or packed.stride(0) % 4 or packed.storage_offset() % 4:
+    if packed.shape[1] % 4 or packed.stride(1) != 1 or packed.stride(0) % 4 or packed.data_ptr() % 4:
         return None
     return packed.view(torch.int32)
 
@@ -539,27 +553,27 @@ def _dp4a_group_maxima(
     q: torch.Tensor, words: torch.Tensor, block: CodeBlock, table: CodeTable, out: torch.Tensor, cfg: TileConfig,
 ) -> None:
     """Stage 1 by :func:`~.dp4a_stage.dp4a_group_max_kernel`: ``out`` ``(nq, cdiv(n, cfg.block_n))`` = each query's
-    best int8 estimate per group, times its ``qfac`` (as :func:`_int8_group_maxima`)."""
+    best int8 estimate per group (as :func:`_int8_group_maxima`)."""
     n_words = words.shape[1]
     q8, qfac = _int8_queries(q, n_words * CHANNELS_PER_WORD)
     q_words = q8.view(torch.int32)
     grid, unit = _int8_grid(table)
     scale = block.scale.float().contiguous()
     bias = None if block.bias is None else block.bias.float().contiguous()
-    dp4a_group_max_kernel[(q.shape[0], cdiv(out.shape[1], cfg.tiles))](
+    tiles = _tiles_per_program(out.shape[1], cfg)
+    dp4a_group_max_kernel[(q.shape[0], cdiv(out.shape[1], tiles))](
         q_words, words, scale, _dummy(bias, scale), qfac, grid, unit, out, len(block), q_words.stride(0),
         words.stride(0), out.stride(0), WORDS=n_words, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
-        BLOCK_W=cfg.block_d, TILES=cfg.tiles, ASM=_table_int8_asm(table, dp4a_asm), num_warps=cfg.num_warps,
+        BLOCK_W=cfg.block_d, TILES=tiles, ASM=_table_int8_asm(table, dp4a_asm), num_warps=cfg.num_warps,
     )
 
 
 def _int8_group_maxima(q: torch.Tensor, block: CodeBlock, table: CodeTable, out: torch.Tensor, cfg: TileConfig) -> None:
     """Stage 1 on int8 tensor cores (:mod:`.int8_stage`): ``out`` ``(nq, cdiv(n, cfg.block_n))`` = each query's best
-    estimate per group, times its ``qfac``. One 4-bit segment (with :attr:`SearchSettings.int8_fused`): code tiles
+    estimate per group. One 4-bit segment (with :attr:`SearchSettings.int8_fused`): code tiles
     decoded in registers; else rows decoded in chunks of at most :data:`INT8_CHUNK_BYTES`."""
     segments = table.layout.segments
-    fused = (settings().int8_fused and len(segments) == 1 and segments[0][1] == 4 and block.packed.stride(1) == 1
-             and q.shape[0] < INT8_FUSED_MAX_QUERIES)
+    fused = settings().int8_fused and len(segments) == 1 and segments[0][1] == 4 and q.shape[0] < INT8_FUSED_MAX_QUERIES
     block_k = 32 if interpreting() else (FUSED_BLOCK_K if fused else INT8_BLOCK_K)
     tile_rows = max(cfg.block_n, 32 if interpreting() else (FUSED_TILE_ROWS if fused else INT8_TILE_ROWS))
     channels = cdiv(q.shape[1], block_k) * block_k
@@ -652,7 +666,8 @@ def search(
     def run(q: torch.Tensor, p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return _search(q, p, block, table, k, cfg)
 
-    values, rows = _GRAPHS.run(_graph_key(q, p, block, table, k, cfg, now), run, inputs, now.graph_cache_size)
+    values, rows = _GRAPHS.run(_graph_key(q, p, block, table, k, cfg, now), run, inputs, now.graph_cache_size,
+                               keep=table)
     return values, rows
 
 
@@ -685,7 +700,10 @@ def _graph_key(
 ) -> tuple:
     tensors = (block.packed, block.scale, block.bias, block.signs, block.sign_scale, table.levels)
     described = tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors)
-    return (q.device, tuple(q.shape), None if p is None else tuple(p.shape), k, cfg, table.layout, now) + described
+    # the table by identity (the graph holds it): its look-up tables are read by address and its PTX decoders carry
+    # its levels as immediates
+    return (q.device, tuple(q.shape), None if p is None else tuple(p.shape), k, cfg, table.layout, now,
+            id(table)) + described
 
 
 def _pad(values: torch.Tensor, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -83,11 +83,12 @@ def test_single_4bit_queries_take_the_dp4a_stage() -> None:
 @needs_kernels
 @pytest.mark.parametrize("dim,n,bias", [(40, 75, True), (64, 1500, False), (64, 1500, True)])
 def test_dp4a_search_matches_the_reference(dim: int, n: int, bias: bool) -> None:
-    """Whole searches with the int8 stage 1: a ragged word step (5 words in steps of 4), several tiles per program, a
-    last partial tile; at 1,500 rows the stage must choose 13 of 94 groups, so its estimates decide."""
+    """Whole searches with the int8 stage 1 (the default tiling's kind, with 16-row groups on every device): a ragged
+    word step at 40 channels (5 words in steps of 4), several tiles per program, a last partial tile; at 1,500 rows
+    the stage must choose 13 of 94 groups, so its estimates decide."""
     tq, cpu_block, dev_block, rotated, _ = make_case(4, "mse", dim, n=n, nq=3, bias=bias)
-    config = ops.tile_config(1, tq.layout)
-    assert config.dp4a
+    assert ops.tile_config(1, tq.layout).dp4a
+    config = ops.TileConfig(1, 16, 4, tiles=2, dp4a=True)
     ref = scan.scores(rotated, cpu_block, tq.table("cpu"))
     expected = scan.search(rotated, cpu_block, tq.table("cpu"), 5)
     got = ops.search(dev(rotated), dev_block, tq.table(KERNEL_DEVICE), 5, config=config)
@@ -110,11 +111,12 @@ def test_a_dp4a_config_on_other_codes_takes_the_matvec_kernel(bits: float, mode:
 @needs_kernels
 def test_dp4a_stage_reads_unaligned_codes_through_the_matvec_kernel() -> None:
     """Codes whose rows are not whole aligned 32-bit words (a view one byte into a wider buffer) still search right."""
-    tq, cpu_block, dev_block, rotated, _ = make_case(4, "mse", 64, n=300, nq=1, bias=False)
+    tq, cpu_block, dev_block, rotated, _ = make_case(4, "mse", 64, n=1500, nq=1, bias=False)
     wide = torch.zeros(len(dev_block), dev_block.packed.shape[1] + 1, dtype=torch.uint8, device=dev_block.packed.device)
     wide[:, 1:] = dev_block.packed
     shifted = scan.CodeBlock(wide[:, 1:], dev_block.scale)
     assert ops._code_words(shifted) is None
-    got = ops.search(dev(rotated), shifted, tq.table(KERNEL_DEVICE), 5)
+    config = ops.TileConfig(1, 16, 4, tiles=2, dp4a=True)
+    got = ops.search(dev(rotated), shifted, tq.table(KERNEL_DEVICE), 5, config=config)
     ref = scan.scores(rotated, cpu_block, tq.table("cpu"))
     assert_topk_equal(got, scan.search(rotated, cpu_block, tq.table("cpu"), 5), ref)

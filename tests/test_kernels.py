@@ -214,19 +214,20 @@ def test_encode_prod_layout_and_float16() -> None:
 
 
 def int8_stage_bound(rotated: torch.Tensor, cpu_block: scan.CodeBlock, table: scan.CodeTable) -> torch.Tensor:
-    """Bound on |int8 estimate − qfac · exact score| ``(nq, n)``: with query coordinates ``qfac · q_c`` and levels
-    ``ŷ_c · 127 / L`` each rounded by at most 1/2, the estimate ``L/127 · scale · Σ q8_c · r8_c`` errs by at most
-    ``|scale| · (Σ|ŷ_c| / 2 + L/254 · Σ qfac·|q_c| + L/508 · D)``."""
+    """Bound on |int8 estimate − exact score| ``(nq, n)``: with query coordinates ``qfac · q_c`` and levels
+    ``ŷ_c · 127 / L`` each rounded by at most 1/2, the estimate ``L/127 / qfac · scale · Σ q8_c · r8_c`` errs by at
+    most ``|scale| / qfac · (Σ|ŷ_c| / 2 + L/254 · Σ qfac·|q_c| + L/508 · D)``."""
     d = rotated.shape[1]
     levels = scan.scores(torch.eye(d), scan.CodeBlock(cpu_block.packed, torch.ones(len(cpu_block))), table)  # (d, n)
     largest = table.levels.abs().max()
     qfac = 127 / rotated.abs().amax(1)
     per_row = levels.abs().sum(0) / 2 + largest / 508 * d
-    return cpu_block.scale.abs() * (per_row + largest / 254 * (qfac[:, None] * rotated.abs()).sum(1, keepdim=True))
+    in_grid_units = per_row + largest / 254 * (qfac[:, None] * rotated.abs()).sum(1, keepdim=True)
+    return cpu_block.scale.abs() * in_grid_units / qfac[:, None]
 
 
-INT8_STAGES = {"decoded": ({"int8_fused": False}, {"int8": True}), "fused": ({}, {"int8": True}),
-               "dp4a": ({}, {"dp4a": True, "tiles": 2})}
+STAGE1_PATHS = {"decoded": ({"int8_fused": False}, {"int8": True}), "fused": ({}, {"int8": True}),
+                "dp4a": ({}, {"dp4a": True, "tiles": 2})}
 
 
 @pytest.mark.parametrize("bits,mode,dim,group,stage", [
@@ -242,19 +243,46 @@ def test_int8_stage_one(monkeypatch: pytest.MonkeyPatch, bits: float, mode: str,
     monkeypatch.setattr(ops, "INT8_CHUNK_BYTES", 3 * 32 * 64)
     tq, cpu_block, dev_block, rotated, _ = make_case(bits, mode, dim, n=300, nq=20, bias=True)
     table = tq.table("cpu")
-    changes, tiling = INT8_STAGES[stage]
+    changes, tiling = STAGE1_PATHS[stage]
     config = ops.TileConfig(16 if "int8" in tiling else 1, group, 32 if "int8" in tiling else 4, **tiling)
     with ops.configured(**changes):
         group_max = ops.group_maxima(dev(rotated), None, dev_block, tq.table(KERNEL_DEVICE), config).cpu()
         got = ops.search(dev(rotated), dev_block, tq.table(KERNEL_DEVICE), 7, config=config)
     ref = scan.scores(rotated, cpu_block, table)
-    qfac = 127 / rotated.abs().amax(1, keepdim=True)
     n_groups = group_max.shape[1]
     pad = (0, n_groups * group - ref.shape[1])
-    expected = torch.nn.functional.pad(ref * qfac, pad, value=float("-inf")).view(20, n_groups, group).amax(2)
+    expected = torch.nn.functional.pad(ref, pad, value=float("-inf")).view(20, n_groups, group).amax(2)
     bound = torch.nn.functional.pad(int8_stage_bound(rotated, cpu_block, table), pad).view(20, n_groups, group).amax(2)
     assert bool(((group_max - expected).abs() <= bound + RTOL * expected.abs().max()).all())
     assert_topk_equal(got, scan.search(rotated, cpu_block, table, 7), ref)
+
+
+@pytest.mark.parametrize("stage", sorted(STAGE1_PATHS))
+def test_int8_stages_rank_a_zero_query_by_bias(stage: str) -> None:
+    """A zero query scores every row by its bias alone: the int8 stages divide their products by the query's scale
+    factor (127 / 1e-30 for a zero query) instead of multiplying the bias by it, which overflowed to ±inf ties."""
+    tq, cpu_block, dev_block, rotated, _ = make_case(4, "mse", 40, n=300, nq=2, bias=True)
+    block = scan.CodeBlock(cpu_block.packed, cpu_block.scale, cpu_block.bias * 1e8)
+    rotated[0] = 0
+    changes, tiling = STAGE1_PATHS[stage]
+    config = ops.TileConfig(16 if "int8" in tiling else 1, 16, 32 if "int8" in tiling else 4, **tiling)
+    with ops.configured(**changes):
+        got = ops.search(dev(rotated), scan.CodeBlock(*(dev(t) for t in (block.packed, block.scale, block.bias))),
+                         tq.table(KERNEL_DEVICE), 5, config=config)
+    assert got[1][0].cpu().tolist() == torch.topk(block.bias, 5).indices.tolist()
+
+
+@pytest.mark.parametrize("config", [ops.TileConfig(1, 16, 4, tiles=1, dp4a=True),
+                                    ops.TileConfig(1, 16, 8, tiles=1, matvec=True)])
+def test_single_query_kernels_take_more_tiles_past_the_grid_limit(monkeypatch: pytest.MonkeyPatch,
+                                                                  config: ops.TileConfig) -> None:
+    """Row tiles sit on the grid's second axis (at most 65,535 programs): beyond it each program takes more tiles."""
+    monkeypatch.setattr(ops, "MAX_GRID_Y", 4)
+    tq, cpu_block, dev_block, rotated, _ = make_case(4, "mse", 64, n=300, nq=2, bias=True)  # 19 tiles of 16 rows
+    assert ops._tiles_per_program(19, config) == 5
+    got = ops.search(dev(rotated), dev_block, tq.table(KERNEL_DEVICE), 5, config=config)
+    ref = scan.scores(rotated, cpu_block, tq.table("cpu"))
+    assert_topk_equal(got, scan.search(rotated, cpu_block, tq.table("cpu"), 5), ref)
 
 
 @pytest.mark.parametrize("on_gpu", [False, True])
@@ -269,6 +297,8 @@ def test_int8_config_and_signs_fallback(monkeypatch: pytest.MonkeyPatch, on_gpu:
     fractional = TurboQuantizer(ops.INT8_NARROW_DIM + 8, 3.5, seed=0)
     assert ops.tile_config(ops.INT8_FUSED_MIN_QUERIES + 1, wide.layout).int8
     assert ops.tile_config(ops.INT8_FUSED_MIN_QUERIES + 1, narrow.layout).int8
+    assert ops.tile_config(ops.INT8_FUSED_MAX_QUERIES - 1, narrow.layout).int8
+    assert not ops.tile_config(ops.INT8_FUSED_MAX_QUERIES, narrow.layout).int8  # float16 tiles until the narrow limit
     assert not ops.tile_config(ops.INT8_FUSED_MIN_QUERIES, wide.layout).int8
     assert not ops.tile_config(ops.INT8_MIN_QUERIES - 1, fractional.layout).int8
     assert ops.tile_config(ops.INT8_MIN_QUERIES, fractional.layout).int8
