@@ -477,10 +477,9 @@ def group_maxima(
 ) -> torch.Tensor:
     """Search stage 1: ``(nq, cdiv(n, cfg.block_n))`` float32, each query's best score per group of rows.
 
-    With ``cfg.matvec`` exact (levels as float16 with byte permutes); the int8 stages (``cfg.dp4a``, ``cfg.int8``)
-    estimates from int8 levels and queries, in score units; the float16 tiles from float16 queries scaled by
-    ``qfac = 1 / max|q|`` (so each row is the query's maxima times its ``qfac``, which leaves the ranking of its
-    groups unchanged).
+    With ``cfg.matvec`` exact (levels as float16 with byte permutes); else estimates: the int8 stages (``cfg.dp4a``,
+    ``cfg.int8``) from int8 levels and queries, the float16 tiles from float16 queries scaled by ``qfac = 1 / max|q|``
+    (their products divided by it again).
     """
     out = torch.empty(q.shape[0], cdiv(len(block), cfg.block_n), dtype=torch.float32, device=q.device)
     words = _code_words(block) if cfg.dp4a and _dp4a_serves(block, table) else None

@@ -112,13 +112,13 @@ def _finish(
 ):
     """Add the bias and write the tile: scores ``out[q, row]``, or ``out[q, tile]`` = best score per query.
 
-    With ``GROUP_MAX`` the bias is multiplied by ``qfac[q]``, the factor the queries were scaled by.
+    With ``GROUP_MAX`` the products are first divided by ``qfac[q]``, the factor the queries were scaled by (so a
+    zero query, scaled by 1e30, ranks its rows by their bias instead of overflowing it).
     """
+    if GROUP_MAX:
+        acc = acc / _query_vector(tl.load(qfac_ptr + offs_q, mask=q_mask, other=1.0), ROWS_AS_M)
     if HAS_BIAS:
-        bias = _row_vector(tl.load(bias_ptr + rows, mask=row_mask, other=0.0), ROWS_AS_M)
-        if GROUP_MAX:
-            bias = bias * _query_vector(tl.load(qfac_ptr + offs_q, mask=q_mask, other=0.0), ROWS_AS_M)
-        acc += bias
+        acc += _row_vector(tl.load(bias_ptr + rows, mask=row_mask, other=0.0), ROWS_AS_M)
     if GROUP_MAX:
         acc = tl.where(_row_vector(row_mask, ROWS_AS_M), acc, float("-inf"))
         if ROWS_AS_M:

@@ -117,13 +117,12 @@ def test_tilings(config: ops.TileConfig, bits: float, mode: str, dim: int) -> No
     assert_scores_close(got_scores, ref)
     got = ops.search(dev(rotated), dev_block, tq.table(KERNEL_DEVICE), 6, dev(projected), config=config)
     assert_topk_equal(got, scan.search(rotated, cpu_block, tq.table("cpu"), 6, projected), ref)
-    # stage 1 alone: float16 group maxima of the scaled queries, within float16 rounding
+    # stage 1 alone: float16 group maxima (products of the scaled queries, scaled back), within float16 rounding
     qh, ph, qfac = ops._half_queries(dev(rotated), dev(projected))
     n_tiles = -(-len(cpu_block) // config.block_n)
     group_max = torch.full((20, n_tiles), float("nan"), device=KERNEL_DEVICE)
     ops._launch_tiles(qh, ph, qfac, dev_block, tq.table(KERNEL_DEVICE), group_max, config, True)
-    padded = torch.nn.functional.pad(ref * qfac.cpu()[:, None], (0, n_tiles * config.block_n - ref.shape[1]),
-                                     value=float("-inf"))
+    padded = torch.nn.functional.pad(ref, (0, n_tiles * config.block_n - ref.shape[1]), value=float("-inf"))
     expected = padded.view(20, n_tiles, config.block_n).amax(2)
     assert ((group_max.cpu() - expected).abs().max() / expected.abs().max()).item() < 5e-3
 
@@ -227,7 +226,14 @@ def int8_stage_bound(rotated: torch.Tensor, cpu_block: scan.CodeBlock, table: sc
 
 
 STAGE1_PATHS = {"decoded": ({"int8_fused": False}, {"int8": True}), "fused": ({}, {"int8": True}),
-                "dp4a": ({}, {"dp4a": True, "tiles": 2})}
+                "dp4a": ({}, {"dp4a": True, "tiles": 2}), "float16": ({}, {"pair_lut": True})}
+
+
+def stage1_config(stage: str, group: int) -> tuple[dict, ops.TileConfig]:
+    """Settings changes and tiling that run search stage 1 by ``stage`` (a key of STAGE1_PATHS), ``group`` rows per
+    group."""
+    changes, tiling = STAGE1_PATHS[stage]
+    return changes, ops.TileConfig(1 if "dp4a" in tiling else 16, group, 4 if "dp4a" in tiling else 32, **tiling)
 
 
 @pytest.mark.parametrize("bits,mode,dim,group,stage", [
@@ -243,8 +249,7 @@ def test_int8_stage_one(monkeypatch: pytest.MonkeyPatch, bits: float, mode: str,
     monkeypatch.setattr(ops, "INT8_CHUNK_BYTES", 3 * 32 * 64)
     tq, cpu_block, dev_block, rotated, _ = make_case(bits, mode, dim, n=300, nq=20, bias=True)
     table = tq.table("cpu")
-    changes, tiling = STAGE1_PATHS[stage]
-    config = ops.TileConfig(16 if "int8" in tiling else 1, group, 32 if "int8" in tiling else 4, **tiling)
+    changes, config = stage1_config(stage, group)
     with ops.configured(**changes):
         group_max = ops.group_maxima(dev(rotated), None, dev_block, tq.table(KERNEL_DEVICE), config).cpu()
         got = ops.search(dev(rotated), dev_block, tq.table(KERNEL_DEVICE), 7, config=config)
@@ -258,14 +263,14 @@ def test_int8_stage_one(monkeypatch: pytest.MonkeyPatch, bits: float, mode: str,
 
 
 @pytest.mark.parametrize("stage", sorted(STAGE1_PATHS))
-def test_int8_stages_rank_a_zero_query_by_bias(stage: str) -> None:
-    """A zero query scores every row by its bias alone: the int8 stages divide their products by the query's scale
-    factor (127 / 1e-30 for a zero query) instead of multiplying the bias by it, which overflowed to ±inf ties."""
+def test_stage1_ranks_a_zero_query_by_bias(stage: str) -> None:
+    """A zero query scores every row by its bias alone: stage 1 divides its products by the query's scale factor
+    (127 / 1e-30 or 1 / 1e-30 for a zero query) instead of multiplying the bias by it, which overflowed to ±inf
+    ties."""
     tq, cpu_block, dev_block, rotated, _ = make_case(4, "mse", 40, n=300, nq=2, bias=True)
-    block = scan.CodeBlock(cpu_block.packed, cpu_block.scale, cpu_block.bias * 1e8)
+    block = scan.CodeBlock(cpu_block.packed, cpu_block.scale, cpu_block.bias * 1e9)
     rotated[0] = 0
-    changes, tiling = STAGE1_PATHS[stage]
-    config = ops.TileConfig(16 if "int8" in tiling else 1, 16, 32 if "int8" in tiling else 4, **tiling)
+    changes, config = stage1_config(stage, 16)
     with ops.configured(**changes):
         got = ops.search(dev(rotated), scan.CodeBlock(*(dev(t) for t in (block.packed, block.scale, block.bias))),
                          tq.table(KERNEL_DEVICE), 5, config=config)
