@@ -41,7 +41,7 @@ from tqvec.packing import Layout
 
 from .launch import Launcher, cdiv, pow2
 from .ops import MIN_BLOCK_D, interpreting, segment_args
-from .unpack import nibble_pairs, row_bytes, segment_values, table_nibble_pair_asm
+from .unpack import nibble_pairs, one_4bit_segment, row_bytes, segment_values, table_nibble_pair_asm
 
 if TYPE_CHECKING:
     from tqvec.scan import CodeTable, DecodeAttention
@@ -271,7 +271,7 @@ _SM_COUNT: dict[int, int] = {}
 
 def _nibble_split(layout: Layout) -> bool:
     """One 4-bit segment over an even number of channels: read as low / high nibbles (channels permuted)."""
-    return len(layout.segments) == 1 and layout.segments[0][1] == 4 and layout.dim % 2 == 0
+    return one_4bit_segment(layout) and layout.dim % 2 == 0
 
 
 def channel_order(layout: Layout) -> torch.Tensor:

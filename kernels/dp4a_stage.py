@@ -15,13 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .unpack import lop3_lut
+
 #: channels per 32-bit code word
 CHANNELS_PER_WORD = 8
-
-
-def _lut(f) -> int:
-    """``lop3`` truth table of the three-input bitwise function ``f(a, b, c)``."""
-    return f(0xF0, 0xCC, 0xAA) & 0xFF
 
 
 def _grid_words(levels: torch.Tensor) -> tuple[int, int, int, int]:
@@ -45,7 +42,7 @@ def _decode_ptx(levels: torch.Tensor, word: str) -> str:
     4-7. Per four codes, two ``prmt`` look up ``level[c & 7]`` and ``level[8 + (c & 7)]`` in 8-byte tables, a third
     (sign-replicate selectors) turns each code's bit 3 into a byte mask, and a ``lop3`` picks by it."""
     low0, low1, high0, high1 = _grid_words(levels)
-    pick = _lut(lambda a, b, c: (a & ~c) | (b & c))
+    pick = lop3_lut(lambda a, b, c: (a & ~c) | (b & c))
     # mask selectors: byte i of the mask replicates the sign bit of the byte that holds bit 3 of code i — codes 0, 2
     # (4, 6) in bytes 0, 1 (2, 3) of u = word << 4, codes 1, 3 (5, 7) in bytes 0, 1 (2, 3) of the word (pool bytes 4-7)
     return (

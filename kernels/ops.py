@@ -64,7 +64,7 @@ from .graphs import GraphCache, capture_graph
 from .int8_stage import decode_kernel, group_max_kernel
 from .launch import cdiv, pow2
 from .scan_kernel import half_queries_kernel, matvec_kernel, refine_kernel, tile_kernel
-from .unpack import table_nibble_pair_asm
+from .unpack import one_4bit_segment, table_nibble_pair_asm
 
 __all__ = ["SearchSettings", "capture_graph", "clear_graphs", "configured", "encode", "scores", "search", "settings"]
 
@@ -276,21 +276,20 @@ def tile_config(nq: int, layout: Layout, exact: bool = False, n: int = 0) -> Til
     """
     widest = max(d for d, _ in layout.segments)
     four_bit = {b for d, b in layout.segments if d and b} == {4}
-    single = len(layout.segments) == 1
-    if not exact and nq == 1 and four_bit and single and widest % CHANNELS_PER_WORD == 0 and settings().matvec_dp4a:
+    if not exact and nq == 1 and _dp4a_layout(layout) and settings().matvec_dp4a:
         if interpreting():
             return TileConfig(1, 16, 4, tiles=2, dp4a=True)
         if widest // CHANNELS_PER_WORD >= DP4A_WIDE_WORDS:
             return TileConfig(1, 32, 32, tiles=16, dp4a=True)
         return TileConfig(1, 64, min(16, pow2(widest // CHANNELS_PER_WORD)), tiles=4, dp4a=True)
-    permutes = settings().matvec_permutes and single
+    permutes = settings().matvec_permutes and len(layout.segments) == 1
     if not exact and nq == 1 and four_bit and widest <= (MATVEC_PERMUTES_MAX_DIM if permutes else MATVEC_MAX_DIM):
         if interpreting():
             return TileConfig(1, 16, 8, tiles=2, matvec=True)
         if permutes:  # 4 KiB of codes per step (16 bytes per thread measured 1.3-2x slower), H200 1M and 10M rows
             return TileConfig(1, 64, 64, tiles=64 if n > 1 << 21 else 16, matvec=True)
         return TileConfig(1, 32, 64, tiles=128 if n > 1 << 21 else 32, matvec=True)
-    fusable = not exact and four_bit and single and settings().int8_fused
+    fusable = not exact and one_4bit_segment(layout) and settings().int8_fused
     int8 = not exact and (nq >= (INT8_MIN_QUERIES_NARROW if layout.dim <= INT8_NARROW_DIM else INT8_MIN_QUERIES)
                           or (fusable and INT8_FUSED_MIN_QUERIES < nq < INT8_FUSED_MAX_QUERIES))
     if interpreting():
@@ -320,15 +319,20 @@ def _dummy(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return _DUMMIES[like.device]
 
 
+def _scale_bias(block: CodeBlock) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The block's per-row scales and biases (or ``None``) as contiguous float32, as the kernels read them."""
+    return block.scale.float().contiguous(), None if block.bias is None else block.bias.float().contiguous()
+
+
 def _operands(block: CodeBlock, projected: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """Row-side kernel arguments, contiguous where the kernel assumes it."""
     if block.signs is not None and projected is None:
         raise ValueError("codes carry QJL signs: projected queries (S·q) are required")
-    scale = block.scale.float().contiguous()
+    scale, bias = _scale_bias(block)
     return {
         "packed_ptr": _dummy(block.packed, scale),
         "scale_ptr": scale,
-        "bias_ptr": _dummy(None if block.bias is None else block.bias.float().contiguous(), scale),
+        "bias_ptr": _dummy(bias, scale),
         "signs_ptr": _dummy(block.signs, scale),
         "sign_scale_ptr": _dummy(None if block.sign_scale is None else block.sign_scale.float().contiguous(), scale),
     }
@@ -520,11 +524,14 @@ def _int8_queries(q: torch.Tensor, channels: int) -> tuple[torch.Tensor, torch.T
     return q8, qfac
 
 
+def _dp4a_layout(layout: Layout) -> bool:
+    """True when :mod:`.dp4a_stage` can read rows of ``layout``: one 4-bit segment of a multiple of 8 channels."""
+    return one_4bit_segment(layout) and layout.segments[0][0] % CHANNELS_PER_WORD == 0
+
+
 def _dp4a_serves(block: CodeBlock, table: CodeTable) -> bool:
-    """True when :mod:`.dp4a_stage` can read these codes: one 4-bit segment of a multiple of 8 channels, no QJL signs."""
-    segments = table.layout.segments
-    return (block.signs is None and len(segments) == 1 and segments[0][1] == 4
-            and segments[0][0] % CHANNELS_PER_WORD == 0)
+    """True when :mod:`.dp4a_stage` can read these codes: a :func:`_dp4a_layout`, no QJL signs."""
+    return block.signs is None and _dp4a_layout(table.layout)
 
 
 def _code_words(block: CodeBlock) -> torch.Tensor | None:
@@ -557,8 +564,7 @@ def _dp4a_group_maxima(
     q8, qfac = _int8_queries(q, n_words * CHANNELS_PER_WORD)
     q_words = q8.view(torch.int32)
     grid, unit = _int8_grid(table)
-    scale = block.scale.float().contiguous()
-    bias = None if block.bias is None else block.bias.float().contiguous()
+    scale, bias = _scale_bias(block)
     tiles = _tiles_per_program(out.shape[1], cfg)
     dp4a_group_max_kernel[(q.shape[0], cdiv(out.shape[1], tiles))](
         q_words, words, scale, _dummy(bias, scale), qfac, grid, unit, out, len(block), q_words.stride(0),
@@ -571,15 +577,13 @@ def _int8_group_maxima(q: torch.Tensor, block: CodeBlock, table: CodeTable, out:
     """Stage 1 on int8 tensor cores (:mod:`.int8_stage`): ``out`` ``(nq, cdiv(n, cfg.block_n))`` = each query's best
     estimate per group. One 4-bit segment (with :attr:`SearchSettings.int8_fused`): code tiles
     decoded in registers; else rows decoded in chunks of at most :data:`INT8_CHUNK_BYTES`."""
-    segments = table.layout.segments
-    fused = settings().int8_fused and len(segments) == 1 and segments[0][1] == 4 and q.shape[0] < INT8_FUSED_MAX_QUERIES
+    fused = settings().int8_fused and one_4bit_segment(table.layout) and q.shape[0] < INT8_FUSED_MAX_QUERIES
     block_k = 32 if interpreting() else (FUSED_BLOCK_K if fused else INT8_BLOCK_K)
     tile_rows = max(cfg.block_n, 32 if interpreting() else (FUSED_TILE_ROWS if fused else INT8_TILE_ROWS))
     channels = cdiv(q.shape[1], block_k) * block_k
     q8, qfac = _int8_queries(q, channels)
     grid, unit = _int8_grid(table)
-    scale = block.scale.float().contiguous()
-    bias = None if block.bias is None else block.bias.float().contiguous()
+    scale, bias = _scale_bias(block)
     nq, n = q.shape[0], len(block)
     stages = 1 if interpreting() else (FUSED_STAGES if fused else INT8_STAGES)
     launch = {"K_PAD": channels, "NBYTES": table.layout.row_bytes, "HAS_BIAS": bias is not None, "BLOCK_Q": cfg.block_q,

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
+    from tqvec.packing import Layout
     from tqvec.scan import CodeTable
 
 
@@ -205,9 +206,14 @@ def pair_lut_values(
     return _zero_past_dim(tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_D)), d0, DIM, BLOCK_D)
 
 
-def _lut(f) -> int:
+def lop3_lut(f) -> int:
     """``lop3`` truth table of the three-input bitwise function ``f(a, b, c)``."""
     return f(0xF0, 0xCC, 0xAA) & 0xFF
+
+
+def one_4bit_segment(layout: Layout) -> bool:
+    """True when ``layout`` is one segment of 4-bit codes, the rows the byte-permute decoders read."""
+    return len(layout.segments) == 1 and layout.segments[0][1] == 4
 
 
 def nibble_pair_asm(levels: torch.Tensor) -> str:
@@ -234,15 +240,15 @@ def nibble_pair_asm(levels: torch.Tensor) -> str:
         "{ .reg .b32 n, m, j, k, u, a, b, c, d, x, y, z, t, s; "
         # n: 8 in the nibbles of codes below 8 (negative levels); j = (c ^ 7·[c < 8]) & 7 for the nibbles of $4, in
         # place: selector words j (bytes 0, 1: nibbles c0 d0 c1 d1) and k (bytes 2, 3)
-        f"lop3.b32 n, $4, 0x88888888, 0, {_lut(lambda a, b, c: ~a & b):#x}; shr.b32 m, n, 3; sub.u32 m, n, m; "
-        f"lop3.b32 j, $4, m, 0x77777777, {_lut(lambda a, b, c: (a ^ b) & c):#x}; shr.b32 k, j, 16; "
+        f"lop3.b32 n, $4, 0x88888888, 0, {lop3_lut(lambda a, b, c: ~a & b):#x}; shr.b32 m, n, 3; sub.u32 m, n, m; "
+        f"lop3.b32 j, $4, m, 0x77777777, {lop3_lut(lambda a, b, c: (a ^ b) & c):#x}; shr.b32 k, j, 16; "
         f"mov.b32 a, {lo0:#x}; mov.b32 b, {lo1:#x}; mov.b32 c, {hi0:#x}; mov.b32 d, {hi1:#x}; "
         "prmt.b32 x, a, b, j; prmt.b32 y, c, d, j; prmt.b32 z, a, b, k; prmt.b32 t, c, d, k; "
         # sign bits: byte i of y / t is the high byte of nibble i of j / k; n << 4 holds low nibbles' flags at bit 7
         # of their bytes, n the high nibbles'
         "shl.b32 u, n, 4; prmt.b32 s, u, n, 0x5140; "
-        f"lop3.b32 y, y, s, 0x80808080, {_lut(lambda a, b, c: a | (b & c)):#x}; prmt.b32 s, u, n, 0x7362; "
-        f"lop3.b32 t, t, s, 0x80808080, {_lut(lambda a, b, c: a | (b & c)):#x}; "
+        f"lop3.b32 y, y, s, 0x80808080, {lop3_lut(lambda a, b, c: a | (b & c)):#x}; prmt.b32 s, u, n, 0x7362; "
+        f"lop3.b32 t, t, s, 0x80808080, {lop3_lut(lambda a, b, c: a | (b & c)):#x}; "
         "prmt.b32 $0, x, y, 0x6240; prmt.b32 $1, z, t, 0x6240; prmt.b32 $2, x, y, 0x7351; prmt.b32 $3, z, t, 0x7351; }"
     )
 
@@ -268,6 +274,5 @@ def table_nibble_pair_asm(table: CodeTable) -> str:
     it beforehand (:func:`tqvec.kernels.attention.prepare`)."""
     key = "tqvec.kernels.nibble_pair_asm"
     if key not in table._luts:
-        segments = table.layout.segments
-        table._luts[key] = nibble_pair_asm(table.levels[0]) if len(segments) == 1 and segments[0][1] == 4 else ""
+        table._luts[key] = nibble_pair_asm(table.levels[0]) if one_4bit_segment(table.layout) else ""
     return table._luts[key]
