@@ -1,5 +1,7 @@
-"""Triton kernels of a static KV cache's one-token step (:mod:`tqvec.kv.static`): the token is written into its sink or
-window-ring slot, and the ring's oldest token is encoded into the codes when it leaves, in one launch per side.
+"""Triton kernels that write KV codes in one launch: a static KV cache's one-token step (:mod:`tqvec.kv.static`), where
+the token is written into its sink or window-ring slot and the ring's oldest token is encoded into the codes when it
+leaves, one launch per side; and a chunk of tokens encoded into a code store (:func:`encode_chunk`, what
+:meth:`CodeStore.append <tqvec.kv.store.CodeStore.append>` runs on CUDA).
 
 The torch path of :meth:`StaticTurboQuantLayer.write_one <tqvec.kv.static.StaticTurboQuantLayer.write_one>` takes
 some twenty small operations per side (gathers, ``where``, the rotation GEMM, the encode kernel, the rescale, the
@@ -21,8 +23,32 @@ import triton.language as tl
 from tqvec.quantizer import TurboQuantizer
 
 from .encode_kernel import _pack_segment, _segment_alignment
-from .launch import Launcher, pow2
+from .launch import Launcher, cdiv, pow2
 from .ops import interpreting, segment_args
+
+
+@triton.jit
+def _encode_rows(centered, mask, r_mask, c, c_mask, rot_ptr, row_ptrs, packed_ptrs, scale_ptrs, bounds_ptr, levels_ptr,
+                 D: tl.constexpr, S0_CH: tl.constexpr, S0_DIM: tl.constexpr, S0_BITS: tl.constexpr,
+                 S0_NBYTES: tl.constexpr, S0_BYTE: tl.constexpr, RESCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Encode the centered rows ``(BLOCK_N, BLOCK_D)`` float32 (``mask`` their valid entries): ``y = centered · rot``
+    (written to the scratch rows ``row_ptrs``, which the segment helpers read back), codes of ``y / ‖y‖`` to
+    ``packed_ptrs``, scale ``‖y‖`` (or ``‖y‖ / ⟨ŷ, y/‖y‖⟩`` with ``RESCALE``) as float16 to ``scale_ptrs``."""
+    rot = tl.load(rot_ptr + c[:, None] * D + c[None, :], mask=c_mask[:, None] & c_mask[None, :], other=0.0)
+    y = tl.dot(centered, rot, input_precision="ieee")
+    tl.store(row_ptrs[:, None] + c[None, :], y, mask=mask)
+    tl.debug_barrier()  # the segment helpers read the rotated rows back from memory
+    norm = tl.sqrt(tl.sum(tl.where(mask, y * y, 0.0), axis=1))
+    divisor = tl.where(norm > 0, norm, 1.0)
+    _pack_segment(row_ptrs, r_mask, divisor, packed_ptrs, bounds_ptr, S0_CH, S0_DIM, S0_BITS, S0_NBYTES, S0_BYTE,
+                  BLOCK_N, BLOCK_B)
+    scale = norm
+    if RESCALE:
+        align = _segment_alignment(tl.zeros((BLOCK_N,), dtype=tl.float32), row_ptrs, r_mask, divisor, bounds_ptr,
+                                   levels_ptr, S0_CH, S0_DIM, S0_BITS, BLOCK_D)
+        scale = tl.where(align > 0, norm / tl.maximum(align, 1e-30), norm)
+    tl.store(scale_ptrs, scale.to(tl.float16), mask=r_mask)
 
 
 @triton.jit
@@ -56,23 +82,36 @@ def append_kernel(x_ptr, ring_ptr, sink_ptr, mean_ptr, rot_ptr, scratch_ptr, bou
         if total - window == codes_end:
             occupant = tl.load(slot_ptrs, mask=mask, other=0.0).to(tl.float32)
             occupant -= tl.load(mean_ptr + r[:, None] * D + c[None, :], mask=mask, other=0.0)
-            rot = tl.load(rot_ptr + c[:, None] * D + c[None, :], mask=c_mask[:, None] & c_mask[None, :], other=0.0)
-            y = tl.dot(occupant, rot, input_precision="ieee")
-            row_ptrs = scratch_ptr + r * D
-            tl.store(row_ptrs[:, None] + c[None, :], y, mask=mask)
-            tl.debug_barrier()  # the segment helpers read the rotated rows back from memory
-            norm = tl.sqrt(tl.sum(tl.where(mask, y * y, 0.0), axis=1))
-            divisor = tl.where(norm > 0, norm, 1.0)
-            token = codes_end - n_sinks
-            _pack_segment(row_ptrs, r_mask, divisor, packed_ptr + (r64 * capacity + token) * ROW_BYTES, bounds_ptr,
-                          S0_CH, S0_DIM, S0_BITS, S0_NBYTES, S0_BYTE, BLOCK_N, BLOCK_B)
-            scale = norm
-            if RESCALE:
-                align = _segment_alignment(tl.zeros((BLOCK_N,), dtype=tl.float32), row_ptrs, r_mask, divisor,
-                                           bounds_ptr, levels_ptr, S0_CH, S0_DIM, S0_BITS, BLOCK_D)
-                scale = tl.where(align > 0, norm / tl.maximum(align, 1e-30), norm)
-            tl.store(scales_ptr + r64 * capacity + token, scale.to(tl.float16), mask=r_mask)
+            token = r64 * capacity + codes_end - n_sinks
+            _encode_rows(occupant, mask, r_mask, c, c_mask, rot_ptr, scratch_ptr + r * D, packed_ptr + token * ROW_BYTES,
+                         scales_ptr + token, bounds_ptr, levels_ptr, D, S0_CH, S0_DIM, S0_BITS, S0_NBYTES, S0_BYTE,
+                         RESCALE, BLOCK_N, BLOCK_D, BLOCK_B)
         tl.store(slot_ptrs, x, mask=mask)
+
+
+@triton.jit
+def encode_chunk_kernel(x_ptr, mean_ptr, rot_ptr, scratch_ptr, bounds_ptr, levels_ptr, packed_ptr, scales_ptr, rows,
+                        tokens, start, capacity, stride_bh, stride_t,
+                        D: tl.constexpr, ROW_BYTES: tl.constexpr, S0_CH: tl.constexpr, S0_DIM: tl.constexpr,
+                        S0_BITS: tl.constexpr, S0_NBYTES: tl.constexpr, S0_BYTE: tl.constexpr, RESCALE: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Program ``i``: rows ``[i·BLOCK_N, …)`` of the ``rows`` = (batch × KV heads) × ``tokens`` head vectors of ``x``
+    (row ``bh·tokens + j`` at ``x + bh·stride_bh + j·stride_t``, channels contiguous) encoded as ``x − mean[bh]`` into
+    token ``start + j`` of row ``bh`` of the store: packed ``(b·h, capacity, ROW_BYTES)``, scales ``(b·h, capacity)``
+    float16 (mean ``(b·h, D)`` float32, rot ``(D, D)`` float32, scratch ``(rows, D)`` float32)."""
+    r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    c = tl.arange(0, BLOCK_D)
+    r_mask = r < rows
+    c_mask = c < D
+    mask = r_mask[:, None] & c_mask[None, :]
+    bh = (r // tokens).to(tl.int64)
+    j = r % tokens
+    x = tl.load(x_ptr + (bh * stride_bh + j * stride_t)[:, None] + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    x -= tl.load(mean_ptr + bh[:, None] * D + c[None, :], mask=mask, other=0.0)
+    token = bh * capacity + start + j
+    _encode_rows(x, mask, r_mask, c, c_mask, rot_ptr, scratch_ptr + r.to(tl.int64) * D, packed_ptr + token * ROW_BYTES,
+                 scales_ptr + token, bounds_ptr, levels_ptr, D, S0_CH, S0_DIM, S0_BITS, S0_NBYTES, S0_BYTE, RESCALE,
+                 BLOCK_N, BLOCK_D, BLOCK_B)
 
 
 @triton.jit
@@ -87,13 +126,16 @@ def advance_kernel(lengths_ptr, n_sinks, window):
 
 APPEND = Launcher(append_kernel)
 ADVANCE = Launcher(advance_kernel)
+ENCODE_CHUNK = Launcher(encode_chunk_kernel)
+#: head vectors per program of :func:`encode_chunk_kernel` (16 under the interpreter)
+CHUNK_ROWS = 32
 _CONSTEXPRS: dict[tuple, dict[str, object]] = {}
 _ADVANCE_CONSTEXPRS: dict[str, object] = {"num_warps": 1}
 
 
 def serves(quantizer: TurboQuantizer) -> bool:
-    """True when :func:`append_kernel` encodes ``quantizer``'s codes: one segment of 1, 2, 4 or 8 bits and a square
-    rotation."""
+    """True when :func:`append_kernel` and :func:`encode_chunk_kernel` encode ``quantizer``'s codes: one segment of 1,
+    2, 4 or 8 bits and a square rotation."""
     segments = quantizer.layout.segments
     return len(segments) == 1 and 8 % segments[0][1] == 0 and quantizer.rotated_dim == quantizer.dim
 
@@ -126,6 +168,27 @@ def append_side(x: torch.Tensor, ring: torch.Tensor, sinks: torch.Tensor, mean: 
     APPEND((1,), (rows, ring, sinks, mean, rotation, scratch, quantizer.boundary_table(x.device),
                   quantizer.table(x.device).levels, packed, scales, lengths, b * h, sinks.shape[2], window,
                   packed.shape[2], rows.stride(0)), _constexprs(quantizer, b * h, interpret), interpret)
+
+
+def encode_chunk(x: torch.Tensor, mean: torch.Tensor, rotation: torch.Tensor, quantizer: TurboQuantizer,
+                 packed: torch.Tensor, scales: torch.Tensor, start: int) -> None:
+    """Encode ``x`` ``(b, h, t, d)`` (float16/bfloat16/float32, channels contiguous) as ``x − mean`` into tokens
+    ``[start, start + t)`` of a code store, in one launch: ``mean`` ``(b, h, d)`` float32, ``rotation`` ``(d, d)``
+    float32 (``q @ rotation`` rotates), ``packed`` ``(b, h, capacity, row_bytes)`` uint8 and ``scales`` ``(b, h,
+    capacity)`` float16, contiguous, written in place (``start + t ≤ capacity``). The codes are the quantizer's
+    ``encode`` of the centered rows up to the rotation's float32 rounding order (a level may flip where a coordinate
+    lies on a decision boundary). ``quantizer`` must be one :func:`serves`; nothing is checked for NaN or ±inf."""
+    b, h, t, d = x.shape
+    if x.stride(3) != 1 or x.stride(0) != h * x.stride(1):
+        x = x.contiguous()
+    interpret = interpreting()
+    rows = b * h * t
+    block = 16 if interpret else CHUNK_ROWS
+    scratch = torch.empty((rows, d), dtype=torch.float32, device=x.device)
+    ENCODE_CHUNK((cdiv(rows, block),), (x, mean, rotation, scratch, quantizer.boundary_table(x.device),
+                                        quantizer.table(x.device).levels, packed, scales, rows, t, start,
+                                        packed.shape[2], x.stride(1), x.stride(2)),
+                 _constexprs(quantizer, block, interpret), interpret)
 
 
 def advance(lengths: torch.Tensor, n_sinks: int, window: int) -> None:

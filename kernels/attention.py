@@ -83,6 +83,14 @@ def _matrix(ptr, row0, col0, n_rows, n_cols, stride, ROWS: tl.constexpr, COLS: t
 
 
 @triton.jit
+def _partials(work_ptr, rows, DH: tl.constexpr):
+    """Pointers to the partials in one float32 work buffer of ``rows`` = ``b·h · parts · G`` rows: the accumulators
+    ``(rows, DH)``, then ``m`` ``(rows,)``, then ``l`` ``(rows,)``."""
+    rows64 = rows.to(tl.int64)
+    return work_ptr + rows64 * DH, work_ptr + rows64 * (DH + 1), work_ptr
+
+
+@triton.jit
 def _online_softmax(s, m, l):
     """Fold logits ``s`` ``(BLOCK_G, T)`` (base 2, ``-inf`` = masked) into ``(m, l)``: returns ``(p, alpha, m, l)``."""
     m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -124,11 +132,11 @@ def _exact_run(q, qmu, m, l, acc, k_ptr, v_ptr, valid_ptr, length, pos0, ring_to
 
 # scalars that change every step or as the cache grows: not specialized (no recompilation)
 @triton.jit(do_not_specialize=["n", "tokens_per_split", "n_splits", "n_sinks", "n_window", "kp_cap", "ks_cap", "vp_cap",
-                               "vs_cap"])
+                               "vs_cap", "stride_valid_b"])
 def split_kernel(
     q_ptr, rot_ptr, back_ptr, k_mean_ptr, v_mean_ptr,
     kp_ptr, ks_ptr, vp_ptr, vs_ptr, k_levels_ptr, v_levels_ptr,
-    sk_ptr, sv_ptr, wk_ptr, wv_ptr, valid_ptr, ring_ptr, m_ptr, l_ptr, acc_ptr,
+    sk_ptr, sv_ptr, wk_ptr, wv_ptr, valid_ptr, ring_ptr, work_ptr,
     factor, n, tokens_per_split, n_heads, n_splits, n_sinks, n_window, kp_cap, ks_cap, vp_cap, vs_cap, stride_valid_b,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, DH: tl.constexpr, DH_PAD: tl.constexpr,
     K_ROW_BYTES: tl.constexpr, V_ROW_BYTES: tl.constexpr,
@@ -223,17 +231,20 @@ def split_kernel(
                                valid_row, n_window, n_sinks + n, total, codes_end, RING, HAS_VALID, DH, DH_PAD,
                                BLOCK_E)
     slot = (bh64 * (n_splits + 1) + split) * G
+    m_ptr, l_ptr, acc_ptr = _partials(work_ptr, tl.num_programs(0) * (n_splits + 1) * G, DH)
     tl.store(m_ptr + slot + g, m, mask=g < G)
     tl.store(l_ptr + slot + g, l, mask=g < G)
     tl.store(acc_ptr + (slot + g[:, None]) * DH + c[None, :], acc, mask=(g < G)[:, None] & (c < DH)[None, :])
 
 
 @triton.jit(do_not_specialize=["n_parts"])
-def combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, n_parts, G: tl.constexpr, DH: tl.constexpr, BLOCK_S: tl.constexpr,
+def combine_kernel(work_ptr, out_ptr, n_parts, G: tl.constexpr, DH: tl.constexpr, BLOCK_S: tl.constexpr,
                    BLOCK_C: tl.constexpr):
-    """Program ``(bh, g, chunk)``: log-sum-exp merge of the ``n_parts`` partials of query head ``g`` of ``bh`` over
-    channels ``chunk·BLOCK_C …``, written to ``out[bh, g]`` in ``out``'s dtype (all partials in one tile)."""
+    """Program ``(bh, g, chunk)``: log-sum-exp merge of the ``n_parts`` partials of query head ``g`` of ``bh`` (in
+    ``work``, as :func:`split_kernel` wrote them) over channels ``chunk·BLOCK_C …``, written to ``out[bh, g]`` in
+    ``out``'s dtype (all partials in one tile)."""
     bh = tl.program_id(0)
+    m_ptr, l_ptr, acc_ptr = _partials(work_ptr, tl.num_programs(0) * n_parts * G, DH)
     gq = tl.program_id(1)
     c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     s = tl.arange(0, BLOCK_S)
@@ -313,13 +324,13 @@ def _in_kernel_order(matrix: torch.Tensor, layout: Layout, dim: int) -> torch.Te
 
 
 def prepare(a: DecodeAttention) -> None:
-    """Make now what :func:`split` caches for ``a``: its rotation matrices in kernel channel order (float16), its tables'
+    """Make now what :class:`DecodeLaunch` caches for ``a``: its rotation matrices in kernel channel order (float16), its tables'
     PTX decoders (which read the levels on the host).
 
     A static cache calls it when it allocates its buffers: under ``torch.compile(mode="reduce-overhead")`` a decode
     step is recorded into a CUDA graph, whose memory pool must not hold tensors that outlive the step (cudagraph trees
     refuse them) and during whose capture nothing may be copied to the host: nothing the step caches may be made then.
-    The rest of :func:`split`'s setup is host arithmetic (constants cached per configuration) and the step's own work
+    The rest of its setup is host arithmetic (constants cached per configuration) and the step's own work
     buffer, which a graph records as such."""
     _in_kernel_order(a.key_rotation, a.keys.table.layout, 1)
     _in_kernel_order(a.value_back, a.values.table.layout, 0)
@@ -348,17 +359,15 @@ def _segments(layout: Layout, prefix: str) -> dict[str, int]:
     return out
 
 
-def _n_splits(device: torch.device, heads: int, n: int, interpret: bool) -> int:
-    """Coded slices per head: ``heads · (slices + 1)`` programs fill ``PROGRAMS_PER_SM`` per SM without starting a
-    second wave; at least one slice, at most one per tile of tokens."""
-    if n == 0:
-        return 0
+def _split_cap(device: torch.device, heads: int, interpret: bool) -> int:
+    """At most this many coded slices per head: ``heads · (slices + 1)`` programs fill ``PROGRAMS_PER_SM`` per SM without
+    starting a second wave (at least 1; 3 under the interpreter)."""
     if interpret:
-        return max(1, min(3, cdiv(n, 16)))
+        return 3
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return max(1, min(PROGRAMS_PER_SM * _SM_COUNT[index] // heads - 1, cdiv(n, BLOCK_N), MAX_SPLITS))
+    return max(1, min(PROGRAMS_PER_SM * _SM_COUNT[index] // heads - 1, MAX_SPLITS))
 
 
 def _split_constexprs(keys: CodeTable, values: CodeTable, G: int, dh: int, has_valid: bool, ring: bool,
@@ -383,71 +392,111 @@ def _block_n(interpret: bool) -> int:
     return 16 if interpret else BLOCK_N
 
 
+#: :func:`split_kernel`'s runtime arguments that change from one decode step to the next (the others are bound once)
+STEP_ARGUMENTS = ("q_ptr", "wk_ptr", "wv_ptr", "valid_ptr", "work_ptr", "n", "tokens_per_split", "n_splits", "n_window",
+                  "stride_valid_b")
+
+
+class DecodeLaunch:
+    """The two kernels of a layer's decode steps, bound once to what stays put while its cache does not grow: the codes
+    and scales (at their capacity), the sinks, the centering means, the rotations, the code tables, the scaling, the
+    query shape and whether a validity mask is given (all from the :class:`~tqvec.scan.DecodeAttention` ``a`` it is
+    made from). A call passes what moves from step to step and returns the attention output.
+
+    Parameters of a call: ``queries`` ``(b, h, G, head_dim)`` (the shape ``a``'s had; any float dtype), the window
+    ``window_keys`` / ``window_values`` ``(b, h, w, head_dim)`` (any ``w``; a static cache's fixed ring), ``n_codes``
+    (coded tokens now; a static cache's capacity), ``valid`` ``(b, kv_length)`` bool or None, as ``a.valid`` was.
+    Returns ``(b, h, G, head_dim)`` in the queries' dtype. The bound tensors are read at each launch, so the codes
+    appended in place (``n_codes`` growing within their capacity) are seen; a cache that reallocates its buffers
+    needs a new ``DecodeLaunch``.
+
+    Raises ``ValueError`` for channel groups coded apart (CPU only), keys and values of different rotated dimensions,
+    or a call whose shapes or mask presence differ from ``a``'s.
+
+    Example::
+
+        launch = DecodeLaunch(step)          # step: a DecodeAttention on CUDA
+        out = launch(step.queries, step.window_keys, step.window_values, step.n_codes, step.valid)
+    """
+
+    def __init__(self, a: DecodeAttention) -> None:
+        if a.key_segments or a.value_segments:
+            raise ValueError("channel groups coded apart (key_segments / value_segments) are served on the CPU only")
+        keys, values = a.keys, a.values
+        if values.table.layout.dim != keys.table.layout.dim:
+            raise ValueError("keys and values must share the rotated dimension")
+        self.interpret = interpret = interpreting()
+        self.shape = b, h, G, dh = tuple(a.queries.shape)
+        self.has_valid = a.valid is not None
+        self.block_n = _block_n(interpret)
+        self.cap = _split_cap(a.queries.device, b * h, interpret)
+        kp, ks, vp, vs = (t.contiguous() for t in (keys.packed, keys.scale, values.packed, values.scale))
+        sk, sv = a.sink_keys.contiguous(), a.sink_values.contiguous()
+        self._dummy = k_mean = a.key_mean.float().contiguous()  # also the pointer of an absent mask or ring
+        fixed = dict(
+            rot_ptr=_in_kernel_order(a.key_rotation, keys.table.layout, 1),
+            back_ptr=_in_kernel_order(a.value_back, values.table.layout, 0), k_mean_ptr=k_mean,
+            v_mean_ptr=a.value_mean.float().contiguous(), kp_ptr=kp, ks_ptr=ks, vp_ptr=vp, vs_ptr=vs,
+            k_levels_ptr=keys.table.levels, v_levels_ptr=values.table.levels, sk_ptr=sk, sv_ptr=sv,
+            ring_ptr=k_mean if a.ring is None else a.ring, factor=a.scaling * LOG2E, n_heads=h, n_sinks=sk.shape[2],
+            kp_cap=kp.shape[2], ks_cap=ks.shape[2], vp_cap=vp.shape[2], vs_cap=vs.shape[2])
+        self._split = SPLIT.bind(fixed, STEP_ARGUMENTS, _split_constexprs(keys.table, values.table, G, dh, self.has_valid,
+                                                                         a.ring is not None, interpret), interpret)
+
+    def __call__(self, queries: torch.Tensor, window_keys: torch.Tensor, window_values: torch.Tensor, n_codes: int,
+                 valid: torch.Tensor | None) -> torch.Tensor:
+        return self.combine(self.split(queries, window_keys, window_values, n_codes, valid))
+
+    def split(self, queries: torch.Tensor, window_keys: torch.Tensor, window_values: torch.Tensor, n_codes: int,
+              valid: torch.Tensor | None) -> Partials:
+        """Launch :func:`split_kernel` (the call's first half; arguments as the call's): its :class:`Partials`."""
+        b, h, G, dh = self.shape
+        if tuple(queries.shape) != self.shape or (valid is not None) != self.has_valid:
+            raise ValueError(f"queries {tuple(queries.shape)} (mask given: {valid is not None}) do not match the bound "
+                             f"launch's {self.shape} (mask given: {self.has_valid})")
+        q_rows = queries.reshape(b * h, G, dh)
+        if not q_rows.is_contiguous():
+            q_rows = q_rows.contiguous()
+        if not window_keys.is_contiguous():
+            window_keys = window_keys.contiguous()
+        if not window_values.is_contiguous():
+            window_values = window_values.contiguous()
+        splits = 0 if n_codes == 0 else min(self.cap, cdiv(n_codes, self.block_n))
+        per_split = cdiv(cdiv(max(n_codes, 1), max(splits, 1)), self.block_n) * self.block_n
+        splits = cdiv(n_codes, per_split)
+        work = torch.empty(b * h * (splits + 1) * G * (dh + 2), dtype=torch.float32, device=queries.device)
+        stride = 0
+        if valid is None:
+            valid = self._dummy
+        else:
+            if valid.dtype == torch.bool:
+                valid = valid.view(torch.uint8)
+            if valid.stride(1) != 1:
+                valid = valid.contiguous()
+            stride = valid.stride(0)
+        self._split((b * h, splits + 1), (q_rows, window_keys, window_values, valid, work, n_codes, per_split, splits,
+                                          window_keys.shape[2], stride))
+        return Partials(work, splits + 1, queries.dtype)
+
+    def combine(self, p: Partials) -> torch.Tensor:
+        """Launch :func:`combine_kernel` (the call's second half): the output of the step whose partials ``p`` are."""
+        b, h, G, dh = self.shape
+        out = torch.empty(self.shape, dtype=p.dtype, device=p.work.device)
+        block_c = min(COMBINE_CHANNELS, pow2(dh))
+        COMBINE((b * h, G, cdiv(dh, block_c)), (p.work, out, p.parts),
+                _combine_constexprs(G, dh, max(16, pow2(p.parts)), block_c), self.interpret)
+        return out
+
+
 @dataclass
 class Partials:
-    """Per-slice softmax state of one decode step: ``m``, ``l`` ``(b·h, parts, G)`` and ``acc`` ``(b·h, parts, G, head_dim)``
-    float32 (``parts`` = coded slices + 1 exact part), and the output's shape and dtype."""
+    """Per-slice softmax state of one decode step, as :func:`split_kernel` leaves it: ``work`` float32, the accumulators
+    ``(b·h · parts · G, head_dim)`` then ``m`` and ``l`` (``parts`` = coded slices + 1 exact part), and the output
+    dtype."""
 
-    m: torch.Tensor
-    l: torch.Tensor
-    acc: torch.Tensor
-    shape: tuple[int, int, int, int]
+    work: torch.Tensor
+    parts: int
     dtype: torch.dtype
-
-
-def split(a: DecodeAttention) -> Partials:
-    """Run :func:`split_kernel` over the coded slices and the exact tokens of one decode step.
-
-    With ``a.ring`` (a static cache) the slices cover the codes' whole capacity ``a.n_codes`` and the kernel reads the
-    lengths from the device, so the launch is the same at every step (no host synchronization: it can be captured in a
-    CUDA graph); slices past the codes written so far return empty partials."""
-    interpret = interpreting()
-    q = a.queries
-    b, h, G, dh = q.shape
-    keys, values = a.keys, a.values
-    D = keys.table.layout.dim
-    if values.table.layout.dim != D:
-        raise ValueError("keys and values must share the rotated dimension")
-    dev = q.device
-    block_n = _block_n(interpret)
-    q_rows = q.reshape(b * h, G, dh).contiguous()
-    n = a.n_codes
-    splits = _n_splits(dev, b * h, n, interpret)
-    per_split = cdiv(cdiv(max(n, 1), max(splits, 1)), block_n) * block_n
-    splits = cdiv(n, per_split)
-    rows = b * h * (splits + 1) * G  # one allocation: acc, then m and l
-    work = torch.empty(rows * (dh + 2), dtype=torch.float32, device=dev)
-    acc = work[:rows * dh].view(b * h, splits + 1, G, dh)
-    m, l = work[rows * dh:].view(2, b * h, splits + 1, G).unbind(0)
-    valid = a.valid
-    has_valid = valid is not None
-    if has_valid and valid.dtype == torch.bool:
-        valid = valid.view(torch.uint8)
-    if has_valid and valid.stride(1) != 1:
-        valid = valid.contiguous()
-    kp, ks, vp, vs = (t.contiguous() for t in (keys.packed, keys.scale, values.packed, values.scale))
-    sk, sv, wk, wv = (t.contiguous() for t in (a.sink_keys, a.sink_values, a.window_keys, a.window_values))
-    SPLIT((b * h, splits + 1), (
-        q_rows, _in_kernel_order(a.key_rotation, keys.table.layout, 1),
-        _in_kernel_order(a.value_back, values.table.layout, 0), a.key_mean.float().contiguous(),
-        a.value_mean.float().contiguous(), kp, ks, vp, vs, keys.table.levels, values.table.levels,
-        sk, sv, wk, wv, valid if has_valid else m, m if a.ring is None else a.ring, m, l, acc,
-        a.scaling * LOG2E, n, per_split, h, splits, sk.shape[2], wk.shape[2], kp.shape[2], ks.shape[2], vp.shape[2], vs.shape[2],
-        valid.stride(0) if has_valid else 0), _split_constexprs(keys.table, values.table, G, dh, has_valid, a.ring is not None,
-                                                                   interpret),
-        interpret)
-    return Partials(m, l, acc, (b, h, G, dh), q.dtype)
-
-
-def combine(p: Partials) -> torch.Tensor:
-    """Run :func:`combine_kernel`: the attention output ``(b, h, G, head_dim)`` in the queries' dtype."""
-    b, h, G, dh = p.shape
-    parts = p.m.shape[1]
-    out = torch.empty(p.shape, dtype=p.dtype, device=p.m.device)
-    block_c = min(COMBINE_CHANNELS, pow2(dh))
-    COMBINE((b * h, G, cdiv(dh, block_c)), (p.m, p.l, p.acc, out, parts),
-            _combine_constexprs(G, dh, max(16, pow2(parts)), block_c), interpreting())
-    return out
 
 
 @functools.lru_cache(maxsize=64)
@@ -462,5 +511,6 @@ def _dh_pad(dh: int) -> int:
 
 
 def decode_attention(a: DecodeAttention) -> torch.Tensor:
-    """Output ``(b, h, G, head_dim)`` in ``a.queries.dtype`` of one decode step (see the module docstring)."""
-    return combine(split(a))
+    """Output ``(b, h, G, head_dim)`` in ``a.queries.dtype`` of one decode step (see the module docstring); a caller
+    that runs many steps over one cache keeps a :class:`DecodeLaunch` instead."""
+    return DecodeLaunch(a)(a.queries, a.window_keys, a.window_values, a.n_codes, a.valid)

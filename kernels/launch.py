@@ -66,9 +66,24 @@ class Launcher:
         if len(args) != len(self.slots):
             raise TypeError(f"{self.kernel.__name__} takes {len(self.slots)} runtime arguments, got {len(args)}")
         device = driver.active.get_current_device()
+        self._launch(grid, args, constexprs, device, [self._spec(device, a, f) for a, f in zip(args, self.flags)])
+
+    def bind(self, fixed: dict[str, Any], moving: tuple[str, ...], constexprs: dict[str, Any],
+             interpret: bool) -> BoundLaunch:
+        """A :class:`BoundLaunch` of this kernel with the runtime arguments ``fixed`` (name → value) set once and those
+        named in ``moving`` passed at each call, in that order (together: all runtime arguments). The specializations
+        of the fixed arguments are computed once, so a fixed tensor must not be resized or re-pointed while bound."""
+        return BoundLaunch(self, fixed, moving, constexprs, interpret)
+
+    def _spec(self, device: int, arg: Any, flags: tuple[bool, bool, bool]) -> tuple:
+        """What Triton specializes on for one runtime argument (its type and alignment or divisibility key)."""
         backend = self.kernel.device_caches[device][-2]  # (…, target, backend, binder)
+        return native_specialize_impl(backend, arg, *flags)[:2]
+
+    def _launch(self, grid: tuple[int, ...], args, constexprs: dict[str, Any], device: int, specs: list) -> None:
+        """Launch the compiled kernel of the specialization ``specs`` directly, compiling it through Triton first."""
         key = (device, id(constexprs), knobs.runtime.debug, getattr(knobs.compilation, "instrumentation_mode", None),
-               *(native_specialize_impl(backend, a, *f)[:2] for a, f in zip(args, self.flags)))
+               *specs)
         hit = self.compiled.get(key)
         if hit is None:  # (an id in the key cannot be reused while the entry holds its dict)
             compiled = self.kernel[grid](*args, **constexprs)
@@ -85,6 +100,47 @@ class Launcher:
         compiled.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(device), compiled.function,
                      compiled.packed_metadata, None, None, None, *full)
         self.direct_launches += 1
+
+
+class BoundLaunch:
+    """A :class:`Launcher`'s kernel with some runtime arguments fixed (:meth:`Launcher.bind`).
+
+    ``bound(grid, moving)`` launches it with ``moving``, the other runtime arguments in the order given to
+    :meth:`Launcher.bind`: only their specializations are computed per call (a decode step's queries and window,
+    against some thirty arguments that stay the same while a layer's cache does not grow)."""
+
+    def __init__(self, launcher: Launcher, fixed: dict[str, Any], moving: tuple[str, ...], constexprs: dict[str, Any],
+                 interpret: bool) -> None:
+        self.launcher, self.fixed, self.moving_names = launcher, fixed, moving
+        self.constexprs, self.interpret = constexprs, interpret
+        if launcher.names:  # a compiled kernel (the interpreter's has no parameter list)
+            runtime = [launcher.names[s] for s in launcher.slots]
+            if sorted(runtime) != sorted([*fixed, *moving]):
+                raise TypeError(f"{launcher.kernel.__name__}: fixed and moving arguments must name its runtime "
+                                f"arguments {runtime} once each")
+            self.args = [fixed.get(n) for n in runtime]
+            self.moving = [runtime.index(n) for n in moving]
+        self._specs: dict[int, list] = {}  # device → specializations of all arguments, the fixed ones filled in
+
+    def __call__(self, grid: tuple[int, ...], moving: tuple) -> None:
+        if len(moving) != len(self.moving_names):
+            raise TypeError(f"{self.launcher.kernel.__name__}: {len(self.moving_names)} moving arguments, "
+                            f"got {len(moving)}")
+        launcher = self.launcher
+        if self.interpret or not launcher.direct or _hooked():
+            launcher.kernel[grid](**self.fixed, **dict(zip(self.moving_names, moving)), **self.constexprs)
+            return
+        args = self.args.copy()
+        for i, a in zip(self.moving, moving):
+            args[i] = a
+        device = driver.active.get_current_device()
+        specs = self._specs.get(device)
+        if specs is None:
+            specs = self._specs[device] = [launcher._spec(device, a, f) for a, f in zip(args, launcher.flags)]
+        specs = specs.copy()
+        for i, a in zip(self.moving, moving):
+            specs[i] = launcher._spec(device, a, launcher.flags[i])
+        launcher._launch(grid, args, self.constexprs, device, specs)
 
 
 def _hooked() -> bool:

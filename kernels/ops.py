@@ -44,6 +44,7 @@ to the calling thread only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -62,7 +63,7 @@ from .dp4a_stage import CHANNELS_PER_WORD, dp4a_asm, dp4a_group_max_kernel, int8
 from .encode_kernel import encode_kernel
 from .graphs import GraphCache, capture_graph
 from .int8_stage import decode_kernel, group_max_kernel
-from .launch import cdiv, pow2
+from .launch import Launcher, cdiv, pow2
 from .scan_kernel import half_queries_kernel, matvec_kernel, refine_kernel, tile_kernel
 from .unpack import one_4bit_segment, table_nibble_pair_asm
 
@@ -727,6 +728,17 @@ def boundary_table(boundaries: Sequence[torch.Tensor | None], device: torch.devi
     return table.to(device)
 
 
+ENCODE = Launcher(encode_kernel)
+
+
+@functools.lru_cache(maxsize=64)
+def _encode_constexprs(layout: Layout, interpret: bool) -> dict[str, object]:
+    """:func:`~.encode_kernel.encode_kernel`'s compile-time arguments for ``layout`` (one dict per configuration)."""
+    return dict(D=layout.dim, **segment_args(layout), BLOCK_N=16 if interpret else 64,
+                BLOCK_D=_pow2_clamp(layout.dim, 16, 32 if interpret else 128),
+                BLOCK_B=_pow2_clamp(max(layout.segment_bytes), 8, 16 if interpret else 64), num_warps=4)
+
+
 def encode(rotated: torch.Tensor, table: CodeTable, boundaries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize and pack rotated vectors ``Πx`` ``(n, D)`` (float16/32; Π orthogonal, so ‖Πx‖ = ‖x‖).
 
@@ -745,11 +757,9 @@ def encode(rotated: torch.Tensor, table: CodeTable, boundaries: torch.Tensor) ->
     alignment = torch.empty(n, dtype=torch.float32, device=x.device)
     if n == 0:
         return packed, norms, alignment
-    block_n = 16 if interpreting() else 64
-    encode_kernel[(cdiv(n, block_n),)](
-        x, boundaries, table.levels, _dummy(packed, norms), norms, alignment, n, x.stride(0),
-        max(layout.row_bytes, 1), D=layout.dim, **segment_args(layout), BLOCK_N=block_n,
-        BLOCK_D=_pow2_clamp(layout.dim, 16, 32 if interpreting() else 128),
-        BLOCK_B=_pow2_clamp(max(layout.segment_bytes), 8, 16 if interpreting() else 64), num_warps=4,
-    )
+    interpret = interpreting()
+    constexprs = _encode_constexprs(layout, interpret)
+    ENCODE((cdiv(n, constexprs["BLOCK_N"]),), (x, boundaries, table.levels, _dummy(packed, norms), norms, alignment, n,
+                                                x.stride(0), max(layout.row_bytes, 1)), constexprs, interpret)
     return packed, norms, alignment
+

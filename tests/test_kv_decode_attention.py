@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tqvec import scan
-from tqvec.kv import TurboQuantLayer
+from tqvec.kv import TurboQuantLayer, attention
 from tqvec.kv.attention import compressed_attention, decode_step
 from tqvec.kv.codec import HeadCodec
 
@@ -107,6 +107,36 @@ def test_direct_launches_on_cuda_match_and_follow_alignment():
     # three others; the combine kernel (the same specialization throughout, maybe compiled by an earlier test) on at
     # least the last four
     assert (split, combine >= 4) == ((0, False) if KERNEL_DEVICE == "cpu" else (3, True))
+
+
+def test_layer_keeps_its_bound_launch_between_compressions():
+    """A layer's one-token steps reuse one bound launch (:class:`~tqvec.kernels.attention.DecodeLaunch`) while its codes
+    stay put, make a new one after each compression (the codes grow in place or are reallocated) or when the mask's
+    presence changes, and match the per-head reference at every step."""
+    g = torch.Generator().manual_seed(3)
+    d, heads, group = 32, 2, 2
+    layer = TurboQuantLayer(HeadCodec(d, 4), HeadCodec(d, 4, seed=1000), window=8, sinks=2, compress_chunk=4)
+    kv = lambda t: (torch.randn(2, heads, t, d, generator=g).to(KERNEL_DEVICE) for _ in range(2))  # noqa: E731
+    layer.update(*kv(40))
+    launches, compressions = [], 0
+    for step in range(10):
+        before = layer.key_store.length
+        handle, _ = layer.update(*kv(1))
+        compressions += layer.key_store.length != before
+        q = _query(handle, group, g)
+        mask = None
+        if step >= 8:  # padding from here on: a launch that takes a validity row
+            mask = torch.ones(2, 1, 1, handle.kv_length, dtype=torch.bool, device=KERNEL_DEVICE)
+            mask[1, ..., :3] = False
+        out = attention._kernel_decode(handle, q, mask, d ** -0.5)
+        ref = compressed_attention(handle, q, mask, d ** -0.5)
+        assert ((out - ref).norm() / ref.norm()).item() < 3e-3
+        launches.append(layer.decode_launch[2])
+    # the window (8 tokens) reaches 12 at steps 3 and 7: compressions drop the launch; the mask at step 8 needs another
+    assert compressions == 2
+    assert [i for i in range(1, 10) if launches[i] is not launches[i - 1]] == [3, 7, 8]
+    with pytest.raises(ValueError, match="do not match"):
+        launches[-1](_query(handle, 4, g).reshape(2, heads, 4, d), handle.keys, handle.values, handle.n_codes, None)
 
 
 def test_decode_step_declines_what_it_cannot_run():

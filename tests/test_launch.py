@@ -1,11 +1,34 @@
 """Host-side launch helpers: grid arithmetic equal to Triton's own (which is slow to call from Python)."""
 from __future__ import annotations
 
+import pytest
+import torch
 import triton
+import triton.language as tl
+from kernel_env import KERNEL_DEVICE
 
-from tqvec.kernels.launch import cdiv, pow2
+from tqvec.kernels.launch import Launcher, cdiv, pow2
 
 
 def test_cdiv_and_pow2_equal_tritons() -> None:
     assert all(cdiv(x, y) == triton.cdiv(x, y) for x in range(301) for y in range(1, 41))
     assert all(pow2(x) == triton.next_power_of_2(x) for x in range(1, 5001))
+
+
+def test_bound_launch_fills_in_the_moving_arguments() -> None:
+    """A kernel bound with one tensor fixed runs with the moving ones each call gives (on CUDA through the direct
+    launch after the first call, else Triton's own launch or its interpreter); a call with too few arguments fails."""
+    @triton.jit
+    def add_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(y_ptr + i, tl.load(y_ptr + i, mask=i < n) + tl.load(x_ptr + i, mask=i < n), mask=i < n)
+
+    x = torch.arange(8, dtype=torch.float32, device=KERNEL_DEVICE)
+    interpret = KERNEL_DEVICE == "cpu"
+    bound = Launcher(add_kernel).bind({"x_ptr": x}, ("y_ptr", "n"), {"BLOCK": 8}, interpret)
+    for n in (8, 5, 5):
+        y = torch.ones(8, device=KERNEL_DEVICE)
+        bound((1,), (y, n))
+        assert y.tolist() == [1.0 + v if v < n else 1.0 for v in range(8)]
+    with pytest.raises(TypeError, match="moving arguments"):
+        bound((1,), (y,))

@@ -53,6 +53,7 @@ transformers' SDPA attention.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
@@ -154,13 +155,51 @@ def decode_step(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor | 
     """The :class:`tqvec.scan.DecodeAttention` of a one-token step, or None where it does not apply (several query
     tokens, which :func:`tqvec_attention_forward` sends to :func:`dense_attention`; one-token steps with QJL keys, or
     with channel groups on CUDA, which run :func:`compressed_attention`'s per-head path)."""
+    if not _decodes(handle, query):
+        return None
+    return _decode_attention(handle, query, _valid(mask, query), scaling)
+
+
+def _decodes(handle: CompressedKV, query: torch.Tensor) -> bool:
+    """Whether :func:`decode_step` serves this step."""
     layer = handle.layer
     codecs = (layer.key_codec, layer.value_codec)
     grouped = any(len(c.groups) != 1 for c in codecs)
-    if query.shape[2] != 1 or handle.n_codes == 0 or any(c.mode != "mse" for c in codecs) or (grouped and query.is_cuda):
-        return None
-    return _decode_attention(handle, query, None if mask is None else mask[:, 0, 0, :].expand(query.shape[0], -1),
-                             scaling)
+    return not (query.shape[2] != 1 or handle.n_codes == 0 or any(c.mode != "mse" for c in codecs)
+                or (grouped and query.is_cuda))
+
+
+def _valid(mask: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
+    """A one-token step's boolean mask ``(b, 1, 1, kv_length)`` as the kernels' validity rows ``(b, kv_length)``."""
+    return None if mask is None else mask[:, 0, 0, :].expand(query.shape[0], -1)
+
+
+def _bound_launch(layer: object, anchors: tuple, settings: tuple, make: Callable[[], scan.DecodeAttention]):
+    """``layer``'s :class:`tqvec.kernels.attention.DecodeLaunch`, kept in its ``decode_launch`` slot while the tensors
+    ``anchors`` are the same objects and ``settings`` are equal; else one made from ``make()`` and kept."""
+    from ..kernels import attention as kernel  # noqa: PLC0415 - Triton is optional
+
+    held = layer.decode_launch
+    if held is None or held[1] != settings or any(a is not b for a, b in zip(held[0], anchors)):
+        held = layer.decode_launch = (anchors, settings, kernel.DecodeLaunch(make()))
+    return held[2]
+
+
+def _kernel_decode(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """Output ``(b, hq, 1, d)`` of a one-token step that :func:`decode_step` serves, by the Triton kernels (CUDA, or the
+    interpreter) through the layer's bound launch: made again when the cache compresses or reallocates
+    (:class:`~tqvec.kv.cache.TurboQuantLayer` drops it then), or when the query's shape, the mask's presence or the
+    scaling change."""
+    layer = handle.layer
+    valid = _valid(mask, query)
+    b, hq, _, d = query.shape
+    h_kv = handle.keys.shape[1]
+    anchors = (layer.key_store.fields, layer.value_store.fields, handle.sink_keys, handle.sink_values, layer.key_mean,
+               layer.value_mean)
+    launch = _bound_launch(layer, anchors, (b, hq, d, valid is None, scaling),
+                           lambda: _decode_attention(handle, query, valid, scaling))
+    out = launch(query.reshape(b, h_kv, hq // h_kv, d), handle.keys, handle.values, handle.n_codes, valid)
+    return out.reshape(query.shape)
 
 
 def _decode_attention(handle: CompressedKV, query: torch.Tensor, valid: torch.Tensor | None, scaling: float,
@@ -220,7 +259,13 @@ def static_attention(layer: StaticTurboQuantLayer, query: torch.Tensor, mask: to
     ``mask``: boolean ``(b, 1, 1, max_cache_len)`` or None."""
     handle = StaticKV(layer)
     if query.is_cuda:
-        return scan.attend(static_decode_step(handle, query, mask, scaling)).reshape(query.shape)
+        valid = layer.all_valid if mask is None else _valid(mask, query)
+        b, hq, _, d = query.shape
+        h_kv = layer.ring_keys.shape[1]
+        launch = _bound_launch(layer, tuple(layer.buffers()), (b, hq, d, scaling),
+                               lambda: static_decode_step(handle, query, mask, scaling))
+        return launch(query.reshape(b, h_kv, hq // h_kv, d), layer.ring_keys, layer.ring_values, layer.capacity,
+                      valid).reshape(query.shape)
     coded = handle.materialize()
     if mask is not None:
         mask = mask[..., :coded.kv_length]
@@ -381,6 +426,8 @@ def _compressed_forward(module: torch.nn.Module, query: torch.Tensor, key: Compr
         raise ValueError(f"mask covers {attention_mask.shape[-1]} keys, the cache holds {key.kv_length}")
     if query.shape[2] > 1:  # a prefill chunk or multi-token step over compressed tokens (no mask: causal)
         out = dense_attention(key, query, attention_mask, scaling)
+    elif query.is_cuda and _decodes(key, query):
+        out = _kernel_decode(key, query, attention_mask, scaling)
     elif (step := decode_step(key, query, attention_mask, scaling)) is not None:
         out = scan.attend(step).reshape(query.shape)
     else:

@@ -122,6 +122,9 @@ class TurboQuantLayer(CacheLayerMixin):
         self.value_mean: torch.Tensor | None = None
         self.key_perm: torch.Tensor | None = None  # (h, d) int64, outlier channels first
         self.value_perm: torch.Tensor | None = None
+        #: the attention's kernel launch bound to this layer's tensors (:mod:`tqvec.kv.attention`), dropped whenever the
+        #: codes change, so it never keeps replaced buffers alive
+        self.decode_launch = None
         self.is_initialized = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -158,6 +161,7 @@ class TurboQuantLayer(CacheLayerMixin):
             self.key_store.append(keys[:, :, :overflow], self.key_mean, self.key_perm, "key_states")
             self.value_store.append(values[:, :, :overflow], self.value_mean, self.value_perm, "value_states")
             self.keys, self.values = keys[:, :, overflow:].clone(), values[:, :, overflow:].clone()
+            self.decode_launch = None
         else:
             self.keys, self.values = keys, values
         return handle, handle
@@ -212,6 +216,7 @@ class TurboQuantLayer(CacheLayerMixin):
         self.sink_keys, self.sink_values = self.sink_keys[:, :, :keep_sinks], self.sink_values[:, :, :keep_sinks]
         self.key_store.truncate(self.key_store.length - from_codes)
         self.value_store.truncate(self.value_store.length - from_codes)
+        self.decode_launch = None
 
     def _index_batch(self, index: torch.Tensor) -> None:
         if not self.is_initialized:
@@ -223,6 +228,7 @@ class TurboQuantLayer(CacheLayerMixin):
             self.key_mean, self.value_mean = self.key_mean.index_select(0, index), self.value_mean.index_select(0, index)
         self.key_store.index_batch(index)
         self.value_store.index_batch(index)
+        self.decode_launch = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._index_batch(beam_idx)

@@ -19,7 +19,7 @@ Per full-attention layer (:class:`StaticTurboQuantLayer`), cache positions are s
 ``total`` and ``codes_end`` live on the device (``lengths``, int64 ``[total, codes_end]``), as ``StaticCache`` keeps
 its ``cumulative_length``. A one-token update writes the token into its sink or ring slot; when the ring is full the
 token it replaces (position ``total − window``) is encoded into the codes first. The decode attention on CUDA reads
-the lengths on the device (:func:`tqvec.kernels.attention.split`'s ring mode); on the CPU the handle is turned into the
+the lengths on the device (:class:`tqvec.kernels.attention.DecodeLaunch`'s ring mode); on the CPU the handle is turned into the
 dynamic cache's :class:`~tqvec.kv.cache.CompressedKV` (which reads the lengths on the host).
 
 A multi-token update (a prompt, or a chunk of one) runs eagerly and reads the lengths on the host: like
@@ -102,6 +102,7 @@ class StaticTurboQuantLayer(CacheLayerMixin):
         self.key_codec, self.value_codec = _shared(key_codec), _shared(value_codec)
         self.max_cache_len, self.window, self.sinks = int(max_cache_len), int(window), int(sinks)
         self.key_perm = self.value_perm = None  # one channel group: no channel order (read by the shared attention)
+        self.decode_launch = None  # the attention's kernel launch bound to the buffers (tqvec.kv.attention)
 
     @property
     def capacity(self) -> int:

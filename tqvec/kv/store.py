@@ -13,8 +13,10 @@ Tokens ``[0, length)`` are valid. The first allocation is exact (a prefill); lat
 store, happens once per ``MIN_GROWTH`` appended tokens at most (a decode step compresses ``compress_chunk`` tokens at
 a time). :meth:`nbytes` counts the allocated capacity: it is exactly what the store holds in memory.
 
-:meth:`append` centers, permutes and encodes ``ENCODE_TOKENS``-token slices (over all batch rows and heads) straight
-into the reserved capacity, so its transient float32 buffers are bounded by one slice, not by the prefill's length.
+:meth:`append` centers, permutes and encodes ``ENCODE_ROWS``-row slices (over all batch rows and heads) straight
+into the reserved capacity, so its transient float32 buffers are bounded by one slice, not by the prefill's length;
+on CUDA, one ``mse`` quantizer that :func:`tqvec.kernels.append.encode_chunk` serves is encoded by that one launch per
+slice (centering, rotation, quantization, packing and the scale), the torch operations otherwise.
 :meth:`decode` inverts it, slice by slice, into a caller's buffer of any float dtype (the ``tqvec`` attention's dense
 path for several query tokens).
 """
@@ -32,6 +34,8 @@ MIN_GROWTH = 64
 GROWTH_DIVISOR = 128
 #: rows (batch × heads × tokens) encoded per slice by :meth:`CodeStore.append`
 ENCODE_ROWS = 8192
+#: on CUDA, :meth:`CodeStore.append` encodes a slice in one Triton launch where the kernel serves the codec
+FUSED_ENCODE = True
 
 
 def permute_channels(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
@@ -69,6 +73,17 @@ class CodeStore:
         check_finite(name, x)
         self._reserve(self.length + t, b, h, x.device)
         step = max(1, ENCODE_ROWS // (b * h))
+        if mean is not None and perm is None and self._fused(x):
+            from ..kernels import append as kernel  # noqa: PLC0415 - Triton is optional
+            from .attention import _rotation_matrices  # noqa: PLC0415 - attention imports this module
+
+            quantizer, dst = self.codec.groups[0].quantizer, self.fields[0]
+            rotation = _rotation_matrices(quantizer, x.device)[0]
+            for start in range(0, t, step):
+                kernel.encode_chunk(x[:, :, start:start + step], mean, rotation, quantizer, dst["packed"], dst["scales"],
+                                    self.length + start)
+            self.length += t
+            return
         for start in range(0, t, step):
             stop = min(start + step, t)
             block = x[:, :, start:stop].float()
@@ -86,6 +101,17 @@ class CodeStore:
                     dst["qjl"][:, :, at] = codes.qjl.view(b, h, stop - start, -1)
                     dst["rnorms"][:, :, at] = codes.residual_norms.view(b, h, stop - start).half()
         self.length += t
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        """:meth:`append` encodes ``x`` with :func:`tqvec.kernels.append.encode_chunk` (one launch per slice): on CUDA
+        where ``FUSED_ENCODE`` is on and the codec is one ``mse`` quantizer that the kernel serves."""
+        if not (FUSED_ENCODE and x.is_cuda and len(self.codec.groups) == 1 and self.codec.mode == "mse"):
+            return False
+        try:
+            from ..kernels import append as kernel  # noqa: PLC0415 - Triton is optional
+        except ImportError:
+            return False
+        return kernel.serves(self.codec.groups[0].quantizer)
 
     def allocate(self, capacity: int, b: int, h: int, device: torch.device) -> None:
         """Allocate zeroed buffers of exactly ``capacity`` tokens for an empty store (a static cache's, which never
