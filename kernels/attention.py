@@ -39,7 +39,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from tqvec.packing import Layout
 
-from .launch import Launcher, cdiv, pow2
+from .launch import BoundLaunch, Launcher, cdiv, pow2
 from .ops import MIN_BLOCK_D, interpreting, segment_args
 from .unpack import nibble_pairs, one_4bit_segment, row_bytes, segment_values, table_nibble_pair_asm
 
@@ -440,6 +440,7 @@ class DecodeLaunch:
             k_levels_ptr=keys.table.levels, v_levels_ptr=values.table.levels, sk_ptr=sk, sv_ptr=sv,
             ring_ptr=k_mean if a.ring is None else a.ring, factor=a.scaling * LOG2E, n_heads=h, n_sinks=sk.shape[2],
             kp_cap=kp.shape[2], ks_cap=ks.shape[2], vp_cap=vp.shape[2], vs_cap=vs.shape[2])
+        self._combines: dict[int, BoundLaunch] = {}  # by partials per tile (grows with the slices)
         self._split = SPLIT.bind(fixed, STEP_ARGUMENTS, _split_constexprs(keys.table, values.table, G, dh, self.has_valid,
                                                                          a.ring is not None, interpret), interpret)
 
@@ -483,8 +484,12 @@ class DecodeLaunch:
         b, h, G, dh = self.shape
         out = torch.empty(self.shape, dtype=p.dtype, device=p.work.device)
         block_c = min(COMBINE_CHANNELS, pow2(dh))
-        COMBINE((b * h, G, cdiv(dh, block_c)), (p.work, out, p.parts),
-                _combine_constexprs(G, dh, max(16, pow2(p.parts)), block_c), self.interpret)
+        block_s = max(16, pow2(p.parts))
+        launch = self._combines.get(block_s)
+        if launch is None:
+            launch = self._combines[block_s] = COMBINE.bind({}, ("work_ptr", "out_ptr", "n_parts"), _combine_constexprs(
+                G, dh, block_s, block_c), self.interpret)
+        launch((b * h, G, cdiv(dh, block_c)), (p.work, out, p.parts))
         return out
 
 
