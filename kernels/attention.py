@@ -410,6 +410,10 @@ class DecodeLaunch:
     appended in place (``n_codes`` growing within their capacity) are seen; a cache that reallocates its buffers
     needs a new ``DecodeLaunch``.
 
+    With ``a.ring`` (a static cache) the slices cover the codes' whole capacity and the kernel reads the lengths from
+    the device, so every step's launch is the same (no host synchronization: it can be captured in a CUDA graph);
+    slices past the codes written so far return empty partials.
+
     Raises ``ValueError`` for channel groups coded apart (CPU only), keys and values of different rotated dimensions,
     or a call whose shapes or mask presence differ from ``a``'s.
 
