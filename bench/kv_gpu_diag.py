@@ -51,12 +51,6 @@ def host_us(fn: Callable[[], object], calls: int = 300, rounds: int = 5) -> floa
     return statistics.median(times)
 
 
-def _split(launch, step):
-    """``launch``'s split kernel over ``step``'s tensors (a :class:`tqvec.kernels.attention.DecodeLaunch` and the
-    :class:`tqvec.scan.DecodeAttention` it was made from): its partials."""
-    return launch.split(step.queries, step.window_keys, step.window_values, step.n_codes, step.valid)
-
-
 def fixed_cost(iters: int) -> list[dict]:
     """Graph-replayed µs of the split kernel, the combine kernel and the step per context and window."""
     from tqvec.kernels import attention as ka  # noqa: PLC0415 - CUDA only
@@ -66,9 +60,9 @@ def fixed_cost(iters: int) -> list[dict]:
         for context in FIXED_CONTEXTS:
             step = random_step(1, context, 4, window)
             launch = ka.DecodeLaunch(step)
-            partials = _split(launch, step)
+            partials = launch.split_step(step)
             rows.append({"window": window, "context": context, "slices": partials.parts - 1,
-                         "split_us": 1000 * _time_ms(lambda: _split(launch, step), iters, graph=True),  # noqa: B023
+                         "split_us": 1000 * _time_ms(lambda: launch.split_step(step), iters, graph=True),  # noqa: B023
                          "combine_us": 1000 * _time_ms(lambda: launch.combine(partials), iters, graph=True),  # noqa: B023
                          "step_us": 1000 * _time_ms(lambda: scan.attend(step), iters, graph=True)})  # noqa: B023
             print(json.dumps(rows[-1]), flush=True)
@@ -100,17 +94,16 @@ def host_cost() -> list[dict]:
 
     step = random_step(1, 8192, 4, 128)
     launch = ka.DecodeLaunch(step)
-    partials = _split(launch, step)
+    partials = launch.split_step(step)
     k = torch.randn(1, HKV, 8192, D, device="cuda", dtype=torch.float16)
     q = torch.randn(1, HQ, 1, D, device="cuda", dtype=torch.float16)
     rows = []
     available = ka.SPLIT.direct, ka.COMBINE.direct
     for direct in (True, False):
         ka.SPLIT.direct, ka.COMBINE.direct = (direct and available[0]), (direct and available[1])
-        rows.append({"launch": "direct" if direct else "triton", "split_us": host_us(lambda: _split(launch, step)),
+        rows.append({"launch": "direct" if direct else "triton", "split_us": host_us(lambda: launch.split_step(step)),
                      "combine_us": host_us(lambda: launch.combine(partials)), "step_us": host_us(lambda: scan.attend(step)),
-                     "bound_step_us": host_us(lambda: launch(step.queries, step.window_keys, step.window_values,
-                                                             step.n_codes, step.valid)),
+                     "bound_step_us": host_us(lambda: launch.attend(step)),
                      "sdpa_us": host_us(lambda: F.scaled_dot_product_attention(q, k, k, enable_gqa=True))})
         print(json.dumps(rows[-1]), flush=True)
     ka.SPLIT.direct, ka.COMBINE.direct = available

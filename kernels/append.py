@@ -89,7 +89,8 @@ def append_kernel(x_ptr, ring_ptr, sink_ptr, mean_ptr, rot_ptr, scratch_ptr, bou
         tl.store(slot_ptrs, x, mask=mask)
 
 
-@triton.jit
+# sizes that change with the chunk, the window and the store: not specialized (no recompilation mid-generation)
+@triton.jit(do_not_specialize=["rows", "tokens", "start", "capacity", "stride_bh", "stride_t"])
 def encode_chunk_kernel(x_ptr, mean_ptr, rot_ptr, scratch_ptr, bounds_ptr, levels_ptr, packed_ptr, scales_ptr, rows,
                         tokens, start, capacity, stride_bh, stride_t,
                         D: tl.constexpr, ROW_BYTES: tl.constexpr, S0_CH: tl.constexpr, S0_DIM: tl.constexpr,
@@ -105,7 +106,7 @@ def encode_chunk_kernel(x_ptr, mean_ptr, rot_ptr, scratch_ptr, bounds_ptr, level
     c_mask = c < D
     mask = r_mask[:, None] & c_mask[None, :]
     bh = (r // tokens).to(tl.int64)
-    j = r % tokens
+    j = (r % tokens).to(tl.int64)
     x = tl.load(x_ptr + (bh * stride_bh + j * stride_t)[:, None] + c[None, :], mask=mask, other=0.0).to(tl.float32)
     x -= tl.load(mean_ptr + bh[:, None] * D + c[None, :], mask=mask, other=0.0)
     token = bh * capacity + start + j
@@ -177,8 +178,12 @@ def encode_chunk(x: torch.Tensor, mean: torch.Tensor, rotation: torch.Tensor, qu
     float32 (``q @ rotation`` rotates), ``packed`` ``(b, h, capacity, row_bytes)`` uint8 and ``scales`` ``(b, h,
     capacity)`` float16, contiguous, written in place (``start + t ≤ capacity``). The codes are the quantizer's
     ``encode`` of the centered rows up to the rotation's float32 rounding order (a level may flip where a coordinate
-    lies on a decision boundary). ``quantizer`` must be one :func:`serves`; nothing is checked for NaN or ±inf."""
+    lies on a decision boundary). ``quantizer`` must be one :func:`serves`; nothing is checked for NaN or ±inf.
+
+    Raises ``ValueError`` if ``mean`` is not a contiguous float32 ``(b, h, d)`` tensor."""
     b, h, t, d = x.shape
+    if mean.dtype != torch.float32 or tuple(mean.shape) != (b, h, d) or not mean.is_contiguous():
+        raise ValueError(f"mean must be contiguous float32 {(b, h, d)}, got {mean.dtype} {tuple(mean.shape)}")
     if x.stride(3) != 1 or x.stride(0) != h * x.stride(1):
         x = x.contiguous()
     interpret = interpreting()

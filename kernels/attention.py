@@ -383,8 +383,12 @@ def _split_constexprs(keys: CodeTable, values: CodeTable, G: int, dh: int, has_v
             HAS_VALID=has_valid, RING=ring, BLOCK_N=_block_n(interpret), BLOCK_E=16 if interpret else BLOCK_E,
             num_warps=NUM_WARPS, num_stages=1 if interpret else NUM_STAGES,
             **({} if interpret or MAX_REGISTERS is None else {"maxnreg": MAX_REGISTERS}))
-    tuning = (BLOCK_N, NUM_WARPS, NUM_STAGES, MAX_REGISTERS, MIN_BLOCK_G, ASM_DECODE, BLOCK_E)
-    return _memo(("split", id(keys), id(values), G, dh, has_valid, ring, interpret, tuning), (keys, values), make)
+    return _memo(("split", id(keys), id(values), G, dh, has_valid, ring, interpret, tuning()), (keys, values), make)
+
+
+def tuning() -> tuple:
+    """The module's tuning constants now (a :class:`DecodeLaunch` is made under one setting of them)."""
+    return BLOCK_N, NUM_WARPS, NUM_STAGES, MAX_REGISTERS, MIN_BLOCK_G, ASM_DECODE, BLOCK_E, PROGRAMS_PER_SM
 
 
 def _block_n(interpret: bool) -> int:
@@ -415,7 +419,9 @@ class DecodeLaunch:
     slices past the codes written so far return empty partials.
 
     Raises ``ValueError`` for channel groups coded apart (CPU only), keys and values of different rotated dimensions,
-    or a call whose shapes or mask presence differ from ``a``'s.
+    or a call whose shapes or mask presence differ from ``a``'s. ``tuning`` holds the module's tuning constants it was
+    made under (:func:`tuning`); ``copied`` says that it holds a copy of some tensor of ``a`` (not contiguous, or
+    means not float32), which a cache must then not keep.
 
     Example::
 
@@ -434,13 +440,19 @@ class DecodeLaunch:
         self.has_valid = a.valid is not None
         self.block_n = _block_n(interpret)
         self.cap = _split_cap(a.queries.device, b * h, interpret)
-        kp, ks, vp, vs = (t.contiguous() for t in (keys.packed, keys.scale, values.packed, values.scale))
-        sk, sv = a.sink_keys.contiguous(), a.sink_values.contiguous()
+        self.tuning = tuning()
+        held = (keys.packed, keys.scale, values.packed, values.scale, a.sink_keys, a.sink_values, a.key_mean,
+                a.value_mean)
+        kp, ks, vp, vs, sk, sv = (t.contiguous() for t in held[:6])
         self._dummy = k_mean = a.key_mean.float().contiguous()  # also the pointer of an absent mask or ring
+        v_mean = a.value_mean.float().contiguous()
+        #: a bound tensor is a copy of the step's (not contiguous, or means not float32): later writes to the cache's
+        #: own tensors are not seen, so a cache must not keep this launch
+        self.copied = any(b is not t for b, t in zip((kp, ks, vp, vs, sk, sv, k_mean, v_mean), held))
         fixed = dict(
             rot_ptr=_in_kernel_order(a.key_rotation, keys.table.layout, 1),
             back_ptr=_in_kernel_order(a.value_back, values.table.layout, 0), k_mean_ptr=k_mean,
-            v_mean_ptr=a.value_mean.float().contiguous(), kp_ptr=kp, ks_ptr=ks, vp_ptr=vp, vs_ptr=vs,
+            v_mean_ptr=v_mean, kp_ptr=kp, ks_ptr=ks, vp_ptr=vp, vs_ptr=vs,
             k_levels_ptr=keys.table.levels, v_levels_ptr=values.table.levels, sk_ptr=sk, sv_ptr=sv,
             ring_ptr=k_mean if a.ring is None else a.ring, factor=a.scaling * LOG2E, n_heads=h, n_sinks=sk.shape[2],
             kp_cap=kp.shape[2], ks_cap=ks.shape[2], vp_cap=vp.shape[2], vs_cap=vs.shape[2])
@@ -451,6 +463,14 @@ class DecodeLaunch:
     def __call__(self, queries: torch.Tensor, window_keys: torch.Tensor, window_values: torch.Tensor, n_codes: int,
                  valid: torch.Tensor | None) -> torch.Tensor:
         return self.combine(self.split(queries, window_keys, window_values, n_codes, valid))
+
+    def attend(self, a: DecodeAttention) -> torch.Tensor:
+        """The call over the moving tensors of ``a`` (a step shaped as the one the launch was made from)."""
+        return self(a.queries, a.window_keys, a.window_values, a.n_codes, a.valid)
+
+    def split_step(self, a: DecodeAttention) -> Partials:
+        """:meth:`split` over the moving tensors of ``a``."""
+        return self.split(a.queries, a.window_keys, a.window_values, a.n_codes, a.valid)
 
     def split(self, queries: torch.Tensor, window_keys: torch.Tensor, window_values: torch.Tensor, n_codes: int,
               valid: torch.Tensor | None) -> Partials:

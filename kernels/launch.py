@@ -99,9 +99,12 @@ class Launcher:
                     self.compiled.clear()
                 self.compiled[key] = (constexprs, compiled, [constexprs.get(name) for name in self.names])
             return
-        _, compiled, full = hit
+        self._run(grid, device, hit[1], hit[2], self.slots, args)
+
+    def _run(self, grid: tuple[int, ...], device: int, compiled: Any, full: list, slots: list[int], args) -> None:
+        """Run ``compiled`` on the current stream with the argument list ``full``, ``args`` put at ``slots``."""
         full = full.copy()
-        for slot, a in zip(self.slots, args):
+        for slot, a in zip(slots, args):
             full[slot] = a
         grid = (*grid, 1, 1)
         compiled.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(device), compiled.function,
@@ -146,14 +149,7 @@ class BoundLaunch:
                  *(launcher._spec(device, a, flags[i]) for i, a in zip(self.moving, moving)))
         last = self._last
         if last is not None and last[0] == state:  # the same specialization as the last launch: fill in and run
-            _, compiled, full = last
-            full = full.copy()
-            for slot, a in zip(self.moving_slots, moving):
-                full[slot] = a
-            grid = (*grid, 1, 1)
-            compiled.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(device), compiled.function,
-                         compiled.packed_metadata, None, None, None, *full)
-            launcher.direct_launches += 1
+            launcher._run(grid, device, last[1], last[2], self.moving_slots, moving)
             return
         args = self.args.copy()
         for i, a in zip(self.moving, moving):

@@ -2,6 +2,8 @@
 the general per-head path :func:`tqvec.kv.attention.compressed_attention` and against exact attention."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -109,34 +111,50 @@ def test_direct_launches_on_cuda_match_and_follow_alignment():
     assert (split, combine >= 4) == ((0, False) if KERNEL_DEVICE == "cpu" else (3, True))
 
 
-def test_layer_keeps_its_bound_launch_between_compressions():
+def test_layer_keeps_its_bound_launch_while_its_codes_stay_put(monkeypatch: pytest.MonkeyPatch):
     """A layer's one-token steps reuse one bound launch (:class:`~tqvec.kernels.attention.DecodeLaunch`) while its codes
-    stay put, make a new one after each compression (the codes grow in place or are reallocated) or when the mask's
-    presence changes, and match the per-head reference at every step."""
+    grow in place, make a new one when the codes are reallocated (a growth), when the mask's presence or the kernels'
+    tuning changes, and match the per-head reference at every step; a batch reorder drops it, and a cache that ran
+    steps still deep-copies."""
     g = torch.Generator().manual_seed(3)
     d, heads, group = 32, 2, 2
     layer = TurboQuantLayer(HeadCodec(d, 4), HeadCodec(d, 4, seed=1000), window=8, sinks=2, compress_chunk=4)
     kv = lambda t: (torch.randn(2, heads, t, d, generator=g).to(KERNEL_DEVICE) for _ in range(2))  # noqa: E731
-    layer.update(*kv(40))
-    launches, compressions = [], 0
-    for step in range(10):
-        before = layer.key_store.length
+    layer.update(*kv(40))  # 30 tokens coded, in a store of exactly that capacity
+    launches, capacities = [], []
+    for step in range(11):
         handle, _ = layer.update(*kv(1))
-        compressions += layer.key_store.length != before
+        capacities.append(layer.key_store.capacity)
         q = _query(handle, group, g)
         mask = None
         if step >= 8:  # padding from here on: a launch that takes a validity row
             mask = torch.ones(2, 1, 1, handle.kv_length, dtype=torch.bool, device=KERNEL_DEVICE)
             mask[1, ..., :3] = False
+        if step == 10:
+            monkeypatch.setattr(kernels, "NUM_WARPS", kernels.NUM_WARPS * 2)
         out = attention._kernel_decode(handle, q, mask, d ** -0.5)
         ref = compressed_attention(handle, q, mask, d ** -0.5)
         assert ((out - ref).norm() / ref.norm()).item() < 3e-3
-        launches.append(layer.decode_launch[2])
-    # the window (8 tokens) reaches 12 at steps 3 and 7: compressions drop the launch; the mask at step 8 needs another
-    assert compressions == 2
-    assert [i for i in range(1, 10) if launches[i] is not launches[i - 1]] == [3, 7, 8]
+        launches.append(attention._LAUNCHES[layer][2])
+    # the window (8 tokens) reaches 12 at steps 3 and 7: the first compression grows the store, the second fills it in
+    # place (same launch); the mask at step 8 and the tuning at step 10 need new launches
+    assert capacities[2] < capacities[3] == capacities[7]
+    assert [i for i in range(1, 11) if launches[i] is not launches[i - 1]] == [3, 8, 10]
     with pytest.raises(ValueError, match="do not match"):
         launches[-1](_query(handle, 4, g).reshape(2, heads, 4, d), handle.keys, handle.values, handle.n_codes, None)
+    assert copy.deepcopy(layer).key_store.length == layer.key_store.length
+    layer.batch_select_indices(torch.tensor([1, 0], device=KERNEL_DEVICE))
+    assert layer not in attention._LAUNCHES
+
+
+def test_a_launch_that_copies_a_tensor_says_so():
+    """A step whose sinks are not contiguous is bound to a copy of them: ``copied``, so a cache does not keep it."""
+    handle, _, _, g = _layer(4, 32, 60, batch=2, device=KERNEL_DEVICE)
+    step = decode_step(handle, _query(handle, 2, g), None, 0.1)
+    assert not kernels.DecodeLaunch(step).copied
+    strided = step.sink_keys.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not strided.is_contiguous()
+    assert kernels.DecodeLaunch(scan.DecodeAttention(**{**step.__dict__, "sink_keys": strided})).copied
 
 
 def test_decode_step_declines_what_it_cannot_run():

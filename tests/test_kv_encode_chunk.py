@@ -57,3 +57,15 @@ def test_fused_append_serves_one_mse_quantizer_on_cuda() -> None:
         assert not CodeStore(HeadCodec(32, 4, mode="prod"))._fused(cuda)  # QJL signs: torch
         assert not CodeStore(HeadCodec(32, 3))._fused(cuda)  # 3-bit codes straddle bytes: not served
         assert not CodeStore(HeadCodec(32, 3.5))._fused(cuda)  # two channel groups
+
+
+def test_encode_chunk_refuses_a_mean_it_cannot_read() -> None:
+    codec = HeadCodec(32, 4)
+    store = CodeStore(codec)
+    store.allocate(8, 1, 2, torch.device(KERNEL_DEVICE))
+    quantizer, fields = codec.groups[0].quantizer, store.fields[0]
+    rotation = _rotation_matrices(quantizer, torch.device(KERNEL_DEVICE))[0]
+    x = torch.randn(1, 2, 4, 32, device=KERNEL_DEVICE)
+    for mean in (torch.zeros(1, 2, 32, dtype=torch.float64), torch.zeros(1, 32, 2).transpose(1, 2), torch.zeros(2, 32)):
+        with pytest.raises(ValueError, match="mean must be"):
+            append.encode_chunk(x, mean.to(KERNEL_DEVICE), rotation, quantizer, fields["packed"], fields["scales"], 0)

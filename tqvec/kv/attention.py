@@ -76,6 +76,9 @@ CUDA_VALUE_ROWS = 1 << 20
 #: ``store.ENCODE_ROWS``): bounds the decode's float32 transient (docs/kv-cpu.md, chunked prefill)
 CUDA_DECODE_ROWS = 1 << 16
 #: rotation → {device: (forward (d, D), inverse (D, d)) float32}
+#: cache layer → (anchors, settings, its decode launch): :func:`_bound_launch`. Kept beside the layer rather than on it,
+#: so copying or pickling a cache does not meet the compiled kernels; an entry goes with its layer
+_LAUNCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _ROTATION_MATRICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: (id of a codec, id of a layer's channel order (h, d) or of None, device) → that codec's grouped matrices with the
 #: order folded in (:func:`_codec_rotations`); an entry is dropped when its codec or its order is freed
@@ -175,21 +178,35 @@ def _valid(mask: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | Non
 
 
 def _bound_launch(layer: object, anchors: tuple, settings: tuple, make: Callable[[], scan.DecodeAttention]):
-    """``layer``'s :class:`tqvec.kernels.attention.DecodeLaunch`, kept in its ``decode_launch`` slot while the tensors
-    ``anchors`` are the same objects and ``settings`` are equal; else one made from ``make()`` and kept."""
+    """``layer``'s :class:`tqvec.kernels.attention.DecodeLaunch`, kept (in :data:`_LAUNCHES`) while the tensors
+    ``anchors`` are the same objects, ``settings`` are equal and the kernels' tuning constants unchanged; else one made
+    from ``make()``, kept unless it holds copies of the step's tensors (:attr:`DecodeLaunch.copied
+    <tqvec.kernels.attention.DecodeLaunch>`)."""
     from ..kernels import attention as kernel  # noqa: PLC0415 - Triton is optional
 
-    held = layer.decode_launch
-    if held is None or held[1] != settings or any(a is not b for a, b in zip(held[0], anchors)):
-        held = layer.decode_launch = (anchors, settings, kernel.DecodeLaunch(make()))
-    return held[2]
+    held = _LAUNCHES.get(layer)
+    if (held is not None and held[1] == settings and held[2].tuning == kernel.tuning()
+            and all(a is b for a, b in zip(held[0], anchors))):
+        return held[2]
+    launch = kernel.DecodeLaunch(make())
+    if launch.copied:
+        _LAUNCHES.pop(layer, None)
+    else:
+        _LAUNCHES[layer] = (anchors, settings, launch)
+    return launch
+
+
+def forget_launch(layer: object) -> None:
+    """Drop ``layer``'s bound launch (:func:`_bound_launch`) now: called when the layer replaces its codes outside a
+    step (a batch reorder, a reset), so the old buffers are not kept alive until the layer's next one-token step."""
+    _LAUNCHES.pop(layer, None)
 
 
 def _kernel_decode(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
     """Output ``(b, hq, 1, d)`` of a one-token step that :func:`decode_step` serves, by the Triton kernels (CUDA, or the
-    interpreter) through the layer's bound launch: made again when the cache compresses or reallocates
-    (:class:`~tqvec.kv.cache.TurboQuantLayer` drops it then), or when the query's shape, the mask's presence or the
-    scaling change."""
+    interpreter) through the layer's bound launch (:func:`_bound_launch`): made again when the cache reallocates its
+    codes (a growth, a batch reorder, a reset) or its sinks, or when the query's shape, the mask's presence or the
+    scaling change. Between, the codes grow in place and the launch reads ``n_codes`` per step."""
     layer = handle.layer
     valid = _valid(mask, query)
     b, hq, _, d = query.shape

@@ -58,6 +58,13 @@ def _channel_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mean.float(), power.float()
 
 
+def _forget_launch(layer: "TurboQuantLayer") -> None:
+    """Drop the decode launch the ``tqvec`` attention keeps for ``layer`` (:func:`tqvec.kv.attention.forget_launch`)."""
+    from .attention import forget_launch  # noqa: PLC0415 - attention imports this module
+
+    forget_launch(layer)
+
+
 @dataclass
 class CompressedKV:
     """What one layer's attention reads in one forward call.
@@ -116,15 +123,13 @@ class TurboQuantLayer(CacheLayerMixin):
         self._clear()
 
     def _clear(self) -> None:
+        _forget_launch(self)
         self.keys = self.values = self.sink_keys = self.sink_values = None
         self.key_store, self.value_store = CodeStore(self.key_codec), CodeStore(self.value_codec)
         self.key_mean: torch.Tensor | None = None  # (b, h, d) float32
         self.value_mean: torch.Tensor | None = None
         self.key_perm: torch.Tensor | None = None  # (h, d) int64, outlier channels first
         self.value_perm: torch.Tensor | None = None
-        #: the attention's kernel launch bound to this layer's tensors (:mod:`tqvec.kv.attention`), dropped whenever the
-        #: codes change, so it never keeps replaced buffers alive
-        self.decode_launch = None
         self.is_initialized = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -161,7 +166,6 @@ class TurboQuantLayer(CacheLayerMixin):
             self.key_store.append(keys[:, :, :overflow], self.key_mean, self.key_perm, "key_states")
             self.value_store.append(values[:, :, :overflow], self.value_mean, self.value_perm, "value_states")
             self.keys, self.values = keys[:, :, overflow:].clone(), values[:, :, overflow:].clone()
-            self.decode_launch = None
         else:
             self.keys, self.values = keys, values
         return handle, handle
@@ -216,7 +220,6 @@ class TurboQuantLayer(CacheLayerMixin):
         self.sink_keys, self.sink_values = self.sink_keys[:, :, :keep_sinks], self.sink_values[:, :, :keep_sinks]
         self.key_store.truncate(self.key_store.length - from_codes)
         self.value_store.truncate(self.value_store.length - from_codes)
-        self.decode_launch = None
 
     def _index_batch(self, index: torch.Tensor) -> None:
         if not self.is_initialized:
@@ -228,7 +231,7 @@ class TurboQuantLayer(CacheLayerMixin):
             self.key_mean, self.value_mean = self.key_mean.index_select(0, index), self.value_mean.index_select(0, index)
         self.key_store.index_batch(index)
         self.value_store.index_batch(index)
-        self.decode_launch = None
+        _forget_launch(self)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._index_batch(beam_idx)

@@ -102,7 +102,6 @@ class StaticTurboQuantLayer(CacheLayerMixin):
         self.key_codec, self.value_codec = _shared(key_codec), _shared(value_codec)
         self.max_cache_len, self.window, self.sinks = int(max_cache_len), int(window), int(sinks)
         self.key_perm = self.value_perm = None  # one channel group: no channel order (read by the shared attention)
-        self.decode_launch = None  # the attention's kernel launch bound to the buffers (tqvec.kv.attention)
 
     @property
     def capacity(self) -> int:
