@@ -76,10 +76,10 @@ CUDA_VALUE_ROWS = 1 << 20
 #: ``store.ENCODE_ROWS``): bounds the decode's float32 transient (docs/kv-cpu.md, chunked prefill)
 CUDA_DECODE_ROWS = 1 << 16
 #: rotation → {device: (forward (d, D), inverse (D, d)) float32}
+_ROTATION_MATRICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: cache layer → (anchors, settings, its decode launch): :func:`_bound_launch`. Kept beside the layer rather than on it,
 #: so copying or pickling a cache does not meet the compiled kernels; an entry goes with its layer
 _LAUNCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_ROTATION_MATRICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: (id of a codec, id of a layer's channel order (h, d) or of None, device) → that codec's grouped matrices with the
 #: order folded in (:func:`_codec_rotations`); an entry is dropped when its codec or its order is freed
 _PERMUTED_ROTATIONS: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -205,8 +205,9 @@ def forget_launch(layer: object) -> None:
 def _kernel_decode(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
     """Output ``(b, hq, 1, d)`` of a one-token step that :func:`decode_step` serves, by the Triton kernels (CUDA, or the
     interpreter) through the layer's bound launch (:func:`_bound_launch`): made again when the cache reallocates its
-    codes (a growth, a batch reorder, a reset) or its sinks, or when the query's shape, the mask's presence or the
-    scaling change. Between, the codes grow in place and the launch reads ``n_codes`` per step."""
+    codes (a growth, a batch reorder, a reset) or its sinks, or when the query's shape, the mask's presence, the
+    scaling or the kernels' tuning constants change. Between, the codes grow in place and the launch reads ``n_codes``
+    per step."""
     layer = handle.layer
     valid = _valid(mask, query)
     b, hq, _, d = query.shape

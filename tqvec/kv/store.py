@@ -79,6 +79,7 @@ class CodeStore:
 
             quantizer, dst = self.codec.groups[0].quantizer, self.fields[0]
             rotation = _rotation_matrices(quantizer, x.device)[0]
+            mean = mean.float().contiguous()  # as the kernel reads it (the layers' means already are)
             for start in range(0, t, step):
                 kernel.encode_chunk(x[:, :, start:start + step], mean, rotation, quantizer, dst["packed"], dst["scales"],
                                     self.length + start)
