@@ -80,26 +80,23 @@ class Launcher:
         backend = self.kernel.device_caches[device][-2]  # (…, target, backend, binder)
         return native_specialize_impl(backend, arg, *flags)[:2]
 
-    def _key(self, device: int, constexprs: dict[str, Any], specs: list) -> tuple:
-        return (device, id(constexprs), knobs.runtime.debug, getattr(knobs.compilation, "instrumentation_mode", None),
-                *specs)
-
-    def _entry(self, device: int, constexprs: dict[str, Any], specs: list) -> tuple | None:
-        """The compiled entry (constexprs, kernel, argument list) of a specialization, or None before it is compiled."""
-        return self.compiled.get(self._key(device, constexprs, specs))
-
-    def _launch(self, grid: tuple[int, ...], args, constexprs: dict[str, Any], device: int, specs: list) -> None:
-        """Launch the compiled kernel of the specialization ``specs`` directly, compiling it through Triton first."""
-        key = self._key(device, constexprs, specs)
+    def _launch(self, grid: tuple[int, ...], args, constexprs: dict[str, Any], device: int,
+                specs: list) -> tuple | None:
+        """Launch the compiled kernel of the specialization ``specs`` directly, compiling it through Triton first.
+        Returns its entry (constexprs, compiled kernel, argument list with the constexprs filled in), or None where
+        Triton returned no kernel this launcher can run."""
+        key = (device, id(constexprs), knobs.runtime.debug, getattr(knobs.compilation, "instrumentation_mode", None),
+               *specs)
         hit = self.compiled.get(key)
         if hit is None:  # (an id in the key cannot be reused while the entry holds its dict)
             compiled = self.kernel[grid](*args, **constexprs)
             if hasattr(compiled, "function") and hasattr(compiled, "packed_metadata"):
                 if len(self.compiled) >= MAX_ENTRIES:  # configurations come and go (sweeps, tests): start over
                     self.compiled.clear()
-                self.compiled[key] = (constexprs, compiled, [constexprs.get(name) for name in self.names])
-            return
+                hit = self.compiled[key] = (constexprs, compiled, [constexprs.get(name) for name in self.names])
+            return hit
         self._run(grid, device, hit[1], hit[2], self.slots, args)
+        return hit
 
     def _run(self, grid: tuple[int, ...], device: int, compiled: Any, full: list, slots: list[int], args) -> None:
         """Run ``compiled`` on the current stream with the argument list ``full``, ``args`` put at ``slots``."""
@@ -160,8 +157,7 @@ class BoundLaunch:
         specs = specs.copy()
         for i, s in zip(self.moving, state[3:]):
             specs[i] = s
-        launcher._launch(grid, args, self.constexprs, device, specs)
-        entry = launcher._entry(device, self.constexprs, specs)
+        entry = launcher._launch(grid, args, self.constexprs, device, specs)
         if entry is not None:  # compiled (now or before): later launches of this specialization take the short path
             full = entry[2].copy()
             for slot, a in zip(launcher.slots, args):

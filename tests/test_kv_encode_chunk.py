@@ -50,13 +50,13 @@ def test_encode_chunk_equals_torch_append(bits, rescale, dtype, monkeypatch: pyt
 def test_fused_append_serves_one_mse_quantizer_on_cuda() -> None:
     """``CodeStore.append`` takes the one-launch path only on CUDA, for one ``mse`` quantizer the kernel serves."""
     x = torch.zeros(1, 2, 3, 32)
-    assert not CodeStore(HeadCodec(32, 4))._fused(x)  # CPU tensors: the torch operations
+    assert CodeStore(HeadCodec(32, 4))._fused_kernel(x) is None  # CPU tensors: the torch operations
     if torch.cuda.is_available():
         cuda = x.cuda()
-        assert CodeStore(HeadCodec(32, 4))._fused(cuda)
-        assert not CodeStore(HeadCodec(32, 4, mode="prod"))._fused(cuda)  # QJL signs: torch
-        assert not CodeStore(HeadCodec(32, 3))._fused(cuda)  # 3-bit codes straddle bytes: not served
-        assert not CodeStore(HeadCodec(32, 3.5))._fused(cuda)  # two channel groups
+        assert CodeStore(HeadCodec(32, 4))._fused_kernel(cuda) is append
+        assert CodeStore(HeadCodec(32, 4, mode="prod"))._fused_kernel(cuda) is None  # QJL signs: torch
+        assert CodeStore(HeadCodec(32, 3))._fused_kernel(cuda) is None  # 3-bit codes straddle bytes: not served
+        assert CodeStore(HeadCodec(32, 3.5))._fused_kernel(cuda) is None  # two channel groups
 
 
 def test_encode_chunk_refuses_a_mean_it_cannot_read() -> None:

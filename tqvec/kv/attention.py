@@ -77,7 +77,7 @@ CUDA_VALUE_ROWS = 1 << 20
 CUDA_DECODE_ROWS = 1 << 16
 #: rotation → {device: (forward (d, D), inverse (D, d)) float32}
 _ROTATION_MATRICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-#: cache layer → (anchors, settings, its decode launch): :func:`_bound_launch`. Kept beside the layer rather than on it,
+#: cache layer → (anchors, settings, its decode launch): :func:`_bound_step`. Kept beside the layer rather than on it,
 #: so copying or pickling a cache does not meet the compiled kernels; an entry goes with its layer
 _LAUNCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: (id of a codec, id of a layer's channel order (h, d) or of None, device) → that codec's grouped matrices with the
@@ -177,47 +177,50 @@ def _valid(mask: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | Non
     return None if mask is None else mask[:, 0, 0, :].expand(query.shape[0], -1)
 
 
-def _bound_launch(layer: object, anchors: tuple, settings: tuple, make: Callable[[], scan.DecodeAttention]):
-    """``layer``'s :class:`tqvec.kernels.attention.DecodeLaunch`, kept (in :data:`_LAUNCHES`) while the tensors
-    ``anchors`` are the same objects, ``settings`` are equal and the kernels' tuning constants unchanged; else one made
-    from ``make()``, kept unless it holds copies of the step's tensors (:attr:`DecodeLaunch.copied
-    <tqvec.kernels.attention.DecodeLaunch>`)."""
+def _bound_step(layer: object, anchors: tuple, settings: tuple, make: Callable[[], scan.DecodeAttention],
+                query: torch.Tensor, window_keys: torch.Tensor, window_values: torch.Tensor, n_codes: int,
+                valid: torch.Tensor | None) -> torch.Tensor:
+    """Output ``(b, hq, 1, d)`` of a one-token step of ``query`` ``(b, hq, 1, d)`` through ``layer``'s
+    :class:`tqvec.kernels.attention.DecodeLaunch` (the other arguments as a call of it takes them). The launch is kept
+    (in :data:`_LAUNCHES`) while the tensors ``anchors`` are the same objects, ``settings`` (with the query's shape)
+    are equal and the kernels' tuning constants unchanged; else one is made from ``make()``, kept unless it holds
+    copies of the step's tensors (:attr:`DecodeLaunch.copied <tqvec.kernels.attention.DecodeLaunch>`)."""
     from ..kernels import attention as kernel  # noqa: PLC0415 - Triton is optional
 
+    b, hq, _, d = query.shape
+    settings = (b, hq, d, *settings)
     held = _LAUNCHES.get(layer)
     if (held is not None and held[1] == settings and held[2].tuning == kernel.tuning()
-            and all(a is b for a, b in zip(held[0], anchors))):
-        return held[2]
-    launch = kernel.DecodeLaunch(make())
-    if launch.copied:
-        _LAUNCHES.pop(layer, None)
+            and all(x is y for x, y in zip(held[0], anchors))):
+        launch = held[2]
     else:
-        _LAUNCHES[layer] = (anchors, settings, launch)
-    return launch
+        launch = kernel.DecodeLaunch(make())
+        if launch.copied:
+            _LAUNCHES.pop(layer, None)
+        else:
+            _LAUNCHES[layer] = (anchors, settings, launch)
+    h_kv = window_keys.shape[1]
+    return launch(query.reshape(b, h_kv, hq // h_kv, d), window_keys, window_values, n_codes, valid).reshape(query.shape)
 
 
 def forget_launch(layer: object) -> None:
-    """Drop ``layer``'s bound launch (:func:`_bound_launch`) now: called when the layer replaces its codes outside a
+    """Drop ``layer``'s bound launch (:func:`_bound_step`) now: called when the layer replaces its codes outside a
     step (a batch reorder, a reset), so the old buffers are not kept alive until the layer's next one-token step."""
     _LAUNCHES.pop(layer, None)
 
 
 def _kernel_decode(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
     """Output ``(b, hq, 1, d)`` of a one-token step that :func:`decode_step` serves, by the Triton kernels (CUDA, or the
-    interpreter) through the layer's bound launch (:func:`_bound_launch`): made again when the cache reallocates its
+    interpreter) through the layer's bound launch (:func:`_bound_step`): made again when the cache reallocates its
     codes (a growth, a batch reorder, a reset) or its sinks, or when the query's shape, the mask's presence, the
     scaling or the kernels' tuning constants change. Between, the codes grow in place and the launch reads ``n_codes``
     per step."""
     layer = handle.layer
     valid = _valid(mask, query)
-    b, hq, _, d = query.shape
-    h_kv = handle.keys.shape[1]
     anchors = (layer.key_store.fields, layer.value_store.fields, handle.sink_keys, handle.sink_values, layer.key_mean,
                layer.value_mean)
-    launch = _bound_launch(layer, anchors, (b, hq, d, valid is None, scaling),
-                           lambda: _decode_attention(handle, query, valid, scaling))
-    out = launch(query.reshape(b, h_kv, hq // h_kv, d), handle.keys, handle.values, handle.n_codes, valid)
-    return out.reshape(query.shape)
+    return _bound_step(layer, anchors, (valid is None, scaling), lambda: _decode_attention(handle, query, valid, scaling),
+                       query, handle.keys, handle.values, handle.n_codes, valid)
 
 
 def _decode_attention(handle: CompressedKV, query: torch.Tensor, valid: torch.Tensor | None, scaling: float,
@@ -277,13 +280,9 @@ def static_attention(layer: StaticTurboQuantLayer, query: torch.Tensor, mask: to
     ``mask``: boolean ``(b, 1, 1, max_cache_len)`` or None."""
     handle = StaticKV(layer)
     if query.is_cuda:
-        valid = layer.all_valid if mask is None else _valid(mask, query)
-        b, hq, _, d = query.shape
-        h_kv = layer.ring_keys.shape[1]
-        launch = _bound_launch(layer, tuple(layer.buffers()), (b, hq, d, scaling),
-                               lambda: static_decode_step(handle, query, mask, scaling))
-        return launch(query.reshape(b, h_kv, hq // h_kv, d), layer.ring_keys, layer.ring_values, layer.capacity,
-                      valid).reshape(query.shape)
+        return _bound_step(layer, tuple(layer.buffers()), (scaling,),
+                           lambda: static_decode_step(handle, query, mask, scaling), query, layer.ring_keys,
+                           layer.ring_values, layer.capacity, layer.all_valid if mask is None else _valid(mask, query))
     coded = handle.materialize()
     if mask is not None:
         mask = mask[..., :coded.kv_length]

@@ -22,6 +22,8 @@ path for several query tokens).
 """
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from ..quantizer import Codes
@@ -73,8 +75,8 @@ class CodeStore:
         check_finite(name, x)
         self._reserve(self.length + t, b, h, x.device)
         step = max(1, ENCODE_ROWS // (b * h))
-        if mean is not None and perm is None and self._fused(x):
-            from ..kernels import append as kernel  # noqa: PLC0415 - Triton is optional
+        kernel = self._fused_kernel(x) if mean is not None and perm is None else None
+        if kernel is not None:
             from .attention import _rotation_matrices  # noqa: PLC0415 - attention imports this module
 
             quantizer, dst = self.codec.groups[0].quantizer, self.fields[0]
@@ -103,16 +105,17 @@ class CodeStore:
                     dst["rnorms"][:, :, at] = codes.residual_norms.view(b, h, stop - start).half()
         self.length += t
 
-    def _fused(self, x: torch.Tensor) -> bool:
-        """:meth:`append` encodes ``x`` with :func:`tqvec.kernels.append.encode_chunk` (one launch per slice): on CUDA
-        where ``FUSED_ENCODE`` is on and the codec is one ``mse`` quantizer that the kernel serves."""
+    def _fused_kernel(self, x: torch.Tensor) -> ModuleType | None:
+        """:mod:`tqvec.kernels.append` where :meth:`append` encodes ``x`` with its
+        :func:`~tqvec.kernels.append.encode_chunk` (one launch per slice): on CUDA where ``FUSED_ENCODE`` is on and the
+        codec is one ``mse`` quantizer that the kernel serves; else None."""
         if not (FUSED_ENCODE and x.is_cuda and len(self.codec.groups) == 1 and self.codec.mode == "mse"):
-            return False
+            return None
         try:
             from ..kernels import append as kernel  # noqa: PLC0415 - Triton is optional
         except ImportError:
-            return False
-        return kernel.serves(self.codec.groups[0].quantizer)
+            return None
+        return kernel if kernel.serves(self.codec.groups[0].quantizer) else None
 
     def allocate(self, capacity: int, b: int, h: int, device: torch.device) -> None:
         """Allocate zeroed buffers of exactly ``capacity`` tokens for an empty store (a static cache's, which never
