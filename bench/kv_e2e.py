@@ -14,8 +14,9 @@ DynamicCache runs with transformers' ``sdpa`` attention, TurboQuantCache (``--bi
 * ``decode``: eager greedy decode tokens/s per context, :func:`bench.kv_step.decode_ms` (one-shot prefill,
   ``E2E_WARMUP`` untimed steps, ``--new-tokens`` timed), as ``bench.kv_gpu.end_to_end`` does: DynamicCache with
   PyTorch's default SDPA backend and with cuDNN's off (the faster is the reference), TurboQuantCache, and at integer
-  ``--bits`` StaticTurboQuantCache with eager steps (reported beside). Targets (TurboQuantCache): ≥ 1.0× the
-  reference at 32k, ≥ 1.3× at 128k.
+  ``--bits`` StaticTurboQuantCache with eager steps, which replay its step graphs (:mod:`tqvec.kv.step_graphs`), and
+  with those graphs off. Targets: ≥ 1.0× the reference at 32k, ≥ 1.3× at 128k, checked for TurboQuantCache and for
+  StaticTurboQuantCache's eager steps.
 * ``budget``: the longest batch-1 prompt whose ``generate()`` completes within ``--budget-gib`` beyond what is
   allocated before it (the weights), enforced by ``torch.cuda.set_per_process_memory_fraction`` (the allocator
   raises ``OutOfMemoryError`` past it). Peak is fitted as a + b·length from runs at 4 and 8 ``--length-step``, the
@@ -57,7 +58,7 @@ from transformers.cache_utils import Cache
 from transformers.generation.streamers import BaseStreamer
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from tqvec.kv import StaticTurboQuantCache, TurboQuantCache
+from tqvec.kv import StaticTurboQuantCache, TurboQuantCache, step_graphs
 
 from .kv_cpu import cache_nbytes
 from .kv_gpu import E2E_WARMUP, HKV, HQ, RESULTS, D
@@ -68,6 +69,8 @@ PARTS = ("peak", "decode", "budget", "batch")
 PEAK_SAVING = 0.6
 #: the label that StaticTurboQuantCache's decode rows start with
 STATIC_LABEL = "StaticTurboQuantCache"
+#: the variant of StaticTurboQuantCache's decode row that the checks report (its eager steps replay step graphs)
+STATIC_VARIANT = "tqvec attention, eager steps"
 #: decode speed targets, TurboQuantCache / the faster DynamicCache, by context (other contexts have none)
 DECODE_TARGETS = {32768: 1.0, 131072: 1.3}
 #: longest prompt and largest batch in the budget: TurboQuantCache ≥ this × DynamicCache
@@ -270,6 +273,16 @@ def _cudnn_sdpa(enabled: bool) -> Iterator[None]:
         torch.backends.cuda.enable_cudnn_sdp(True)
 
 
+@contextmanager
+def _step_graphs(enabled: bool) -> Iterator[None]:
+    """A static cache's eager step graphs (:mod:`tqvec.kv.step_graphs`) on or off within the block (on afterwards)."""
+    step_graphs.ENABLED = enabled
+    try:
+        yield
+    finally:
+        step_graphs.ENABLED = True
+
+
 def warm_up(bench: Bench, kind: Kind, batches: set[int]) -> None:
     """On CUDA, untimed ``generate()`` runs over a ``WARM_TOKENS``-token prompt (at least two prefill chunks) at each of
     ``batches`` rows, so that the timed runs at those batch sizes include no kernel compilation (none on the CPU)."""
@@ -302,18 +315,21 @@ def decode_part(bench: Bench, contexts: list[int], section: dict, bits: float) -
     StaticTurboQuantCache (its steps eager, as ``generate(disable_compile=True)`` runs them). Rows into
     ``section["rows"]``."""
     dynamic, turbo = bench.kinds
-    runs = [(dynamic, True, "default SDPA backend")]
+    runs = [(dynamic, True, "default SDPA backend", True)]
     if bench.model.device.type == "cuda":
-        runs.append((dynamic, False, "cuDNN SDPA off"))
-    runs.append((turbo, True, "tqvec attention"))
+        runs.append((dynamic, False, "cuDNN SDPA off", True))
+    runs.append((turbo, True, "tqvec attention", True))
     device = bench.model.device
     for context in contexts:
         ids = torch.randint(0, bench.model.config.vocab_size, (1, context), device=device,
                             generator=torch.Generator(device).manual_seed(context))
         length = context + E2E_WARMUP + bench.new_tokens + 1
-        static = [] if bits != int(bits) else [(Kind(f"{STATIC_LABEL} {bits:g}b + tqvec", "tqvec", functools.partial(
-            StaticTurboQuantCache, bench.model.config, length, int(bits), int(bits))), True, "tqvec attention, eager steps")]
-        for kind, cudnn, variant in runs + static:
+        static_kind = Kind(f"{STATIC_LABEL} {bits:g}b + tqvec", "tqvec", functools.partial(
+            StaticTurboQuantCache, bench.model.config, length, int(bits), int(bits)))
+        static = [] if bits != int(bits) else [(static_kind, True, STATIC_VARIANT, True)]
+        if static and device.type == "cuda":  # the same steps launched without the graphs (the CPU has none)
+            static.append((static_kind, True, STATIC_VARIANT + ", step graphs off", False))
+        for kind, cudnn, variant, graphs in runs + static:
             row = {"cache": kind.name, "variant": variant, "context": context}
             if not bench.deadline.allows():
                 row["skipped"] = "time limit"
@@ -321,7 +337,7 @@ def decode_part(bench: Bench, contexts: list[int], section: dict, bits: float) -
                 bench.model.set_attn_implementation(kind.attention)
                 _fresh_memory()
                 cache = kind.make()
-                with _cudnn_sdpa(cudnn):
+                with _cudnn_sdpa(cudnn), _step_graphs(graphs):
                     ms = decode_ms(bench.model, cache, ids, bench.new_tokens, warmup=E2E_WARMUP)
                 row.update(ms_per_step=ms, tokens_per_s=1000 / ms, cache_bytes=cache_nbytes(cache))
                 del cache
@@ -476,12 +492,13 @@ def decode_checks(section: dict, dynamic: str, turbo: str) -> list[dict]:
             continue
         ratio = tq["tokens_per_s"] / ref["tokens_per_s"]
         target = DECODE_TARGETS.get(context)
-        static = next((r for r in rows if r["cache"].startswith(STATIC_LABEL)), None)
+        static = next((r for r in rows if r["cache"].startswith(STATIC_LABEL) and r["variant"] == STATIC_VARIANT), None)
+        static_ratio = None if static is None else static["tokens_per_s"] / ref["tokens_per_s"]
         out.append({"context": context, "reference": ref["variant"], "reference_tokens_per_s": ref["tokens_per_s"],
                     "turbo_tokens_per_s": tq["tokens_per_s"], "ratio": ratio, "target": target,
                     "pass": None if target is None else ratio >= target,
-                    "static_tokens_per_s": None if static is None else static["tokens_per_s"],
-                    "static_ratio": None if static is None else static["tokens_per_s"] / ref["tokens_per_s"]})
+                    "static_tokens_per_s": None if static is None else static["tokens_per_s"], "static_ratio": static_ratio,
+                    "static_pass": None if target is None or static_ratio is None else static_ratio >= target})
     return out
 
 
@@ -593,11 +610,11 @@ def markdown(data: dict) -> str:
                 f"| {r['cache']} | {r['variant']} | {r['context']} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | "
                 f"{_gib(r['cache_bytes'])} |" for r in s["rows"]]
         out += ["", "| context | reference (DynamicCache) | its tokens/s | TurboQuantCache tokens/s | ratio | target | pass | "
-                "StaticTurboQuantCache (eager) tokens/s | its ratio |", "|---|---|---|---|---|---|---|---|---|"]
+                "StaticTurboQuantCache (eager) tokens/s | its ratio | its pass |", "|---|---|---|---|---|---|---|---|---|---|"]
         out += [f"| {c['context']} | {c['reference']} | {c['reference_tokens_per_s']:.1f} | {c['turbo_tokens_per_s']:.1f} | "
                 f"{c['ratio']:.2f}× | {_target(c['target'])} | {_verdict(c['pass'])} | {_num(c.get('static_tokens_per_s'))} | "
-                f"{'—' if c.get('static_ratio') is None else format(c['static_ratio'], '.2f') + '×'} |"
-                for c in s.get("checks", [])]
+                f"{'—' if c.get('static_ratio') is None else format(c['static_ratio'], '.2f') + '×'} | "
+                f"{_verdict(c.get('static_pass'))} |" for c in s.get("checks", [])]
         out.append("")
     for name, title, unit, scale in (("budget", "Longest prompt in the budget, batch 1", "KiB/token", 2 ** 10),
                                      ("batch", "Largest batch in the budget", "GiB/row", GIB)):

@@ -48,6 +48,11 @@ class CodeTable:
     def to(self, device: torch.device | str) -> "CodeTable":
         return CodeTable(self.layout, self.levels.to(device))
 
+    def __reduce__(self):
+        """Copies and pickles hold the layout and levels only: the derived tables (a native plan among them, which
+        cannot be copied) are made again on first use."""
+        return CodeTable, (self.layout, self.levels)
+
     def native_plan(self) -> _fastscan.Plan:
         """How the native kernel reads this layout, computed once."""
         if not self._plan:

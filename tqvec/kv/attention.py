@@ -67,6 +67,7 @@ from ..quantizer import TurboQuantizer
 from .cache import CompressedKV
 from .codec import HeadCodec
 from .static import StaticKV, StaticTurboQuantLayer
+from .step_graphs import replayable
 from .store import ENCODE_ROWS, CodeStore, restore_channels
 
 NAME = "tqvec"
@@ -293,6 +294,20 @@ def static_attention(layer: StaticTurboQuantLayer, query: torch.Tensor, mask: to
     return scan.attend(decode_step(coded, query, mask, scaling)).reshape(query.shape)
 
 
+def _replayed_static_attention(layer: StaticTurboQuantLayer, query: torch.Tensor, mask: torch.Tensor | None,
+                               scaling: float) -> torch.Tensor:
+    """:func:`static_attention` on CUDA through the layer's recorded graph (:mod:`tqvec.kv.step_graphs`): the query and
+    the mask's validity row ``(b, max_cache_len)`` are the graph's inputs; recorded again when the layer's buffers, the
+    mask's presence, the scaling or the decode kernels' tuning constants change."""
+    from ..kernels import attention as kernel  # noqa: PLC0415 - Triton is optional
+
+    def step(q: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        return static_attention(layer, q, None if valid is None else valid[:, None, None, :], scaling)
+
+    inputs = (query,) if mask is None else (query, _valid(mask, query))
+    return layer.graphs.run("attend", (*layer.buffers(), mask is None, scaling, kernel.tuning()), inputs, step)
+
+
 def compressed_attention(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
     """Attention output ``(b, hq, q, d)`` float32 for ``query`` ``(b, hq, q, d)`` (the general per-head path).
 
@@ -416,6 +431,8 @@ def tqvec_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, v
         scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
         if torch.compiler.is_compiling():
             out = torch.ops.tqvec.static_attend(query, attention_mask, key.layer.buffers(), key.layer.op_key, scaling)
+        elif replayable(query):  # eager on CUDA: the step's recorded graph
+            out = _replayed_static_attention(key.layer, query, attention_mask, scaling)
         else:  # eager: the operator's body without its dispatch
             out = static_attention(key.layer, query, attention_mask, scaling)
         return out.transpose(1, 2).contiguous(), None

@@ -7,6 +7,8 @@ CUDA graphs), as it does for ``StaticCache``, and a step can also be captured by
 ``tqvec bench kv-graph`` measures both). The step's writes and its attention are custom operators
 (:mod:`tqvec.kv.static_ops`), so ``torch.compile(model, fullgraph=True)`` traces a step in one graph; the buffers are
 static addresses, and whatever a step caches is made when they are allocated (:func:`~tqvec.kv.attention.prepare_static_step`).
+Run eagerly on CUDA, a layer records its step's write and attention in CUDA graphs of its own and replays them
+(:mod:`tqvec.kv.step_graphs`), so an eager decode loop pays a few microseconds of host time per layer for them.
 
 Per full-attention layer (:class:`StaticTurboQuantLayer`), cache positions are split three ways:
 
@@ -44,6 +46,7 @@ from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, CacheLayerMixin,
 from . import checks, static_ops
 from .cache import CodedCache, CompressedKV, _channel_moments
 from .codec import HeadCodec
+from .step_graphs import GraphPool, StepGraphs, replayable
 from .store import CodeStore
 
 #: on CUDA, run a one-token step through the fused kernels of :mod:`tqvec.kernels.append` where they serve the codecs
@@ -90,7 +93,7 @@ class StaticTurboQuantLayer(CacheLayerMixin):
     is_croppable = True
 
     def __init__(self, key_codec: HeadCodec, value_codec: HeadCodec, max_cache_len: int, window: int = 128,
-                 sinks: int = 4) -> None:
+                 sinks: int = 4, graph_pool: GraphPool | None = None) -> None:
         super().__init__()
         checks.check_int("window", window, 1)
         checks.check_int("sinks", sinks, 0)
@@ -102,6 +105,8 @@ class StaticTurboQuantLayer(CacheLayerMixin):
         self.key_codec, self.value_codec = _shared(key_codec), _shared(value_codec)
         self.max_cache_len, self.window, self.sinks = int(max_cache_len), int(window), int(sinks)
         self.key_perm = self.value_perm = None  # one channel group: no channel order (read by the shared attention)
+        #: the CUDA graphs of eager one-token steps (:mod:`tqvec.kv.step_graphs`), recorded into ``graph_pool``
+        self.graphs = StepGraphs(GraphPool() if graph_pool is None else graph_pool)
 
     @property
     def capacity(self) -> int:
@@ -177,6 +182,8 @@ class StaticTurboQuantLayer(CacheLayerMixin):
         if key_states.shape[2] == 1:
             if torch.compiler.is_compiling():
                 torch.ops.tqvec.static_append(key_states, value_states, self.buffers(), self.op_key)
+            elif replayable(key_states):  # eager on CUDA: the step's recorded graph (tqvec.kv.step_graphs)
+                self.graphs.run("write", (*self.buffers(), self.fused), (key_states, value_states), self.write_one)
             else:  # eager: the operator's body without its dispatch (which cost more than the step's kernels)
                 self.write_one(key_states, value_states)
             handle = StaticKV(self)
@@ -377,7 +384,8 @@ class StaticTurboQuantCache(CodedCache):
         key_codec = HeadCodec(head_dim, key_bits, "mse", key_rescale, "outlier", seed)
         value_codec = HeadCodec(head_dim, value_bits, "mse", value_rescale, "outlier", seed + 1000)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
-        layers = [StaticTurboQuantLayer(key_codec, value_codec, max_cache_len, window, sinks) if kind == "full_attention"
+        pool = GraphPool()  # the layers' eager step graphs share one memory pool (they run one after another)
+        layers = [StaticTurboQuantLayer(key_codec, value_codec, max_cache_len, window, sinks, pool) if kind == "full_attention"
                   else STATIC_LAYER_TYPE_MAPPING[kind](max_cache_len=max_cache_len, **kw)
                   for kind, kw in zip(layer_types, layer_kwargs)]
         super().__init__(layers=layers)

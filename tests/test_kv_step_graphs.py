@@ -1,0 +1,157 @@
+"""The CUDA graphs of a static cache's eager one-token steps (tqvec.kv.step_graphs).
+
+Oracle: the same steps with the graphs switched off (``step_graphs.ENABLED = False``), which launch the same kernels
+on the same inputs, so logits and generated tokens must be identical. The CPU tests cover what does not need a GPU:
+when a step may replay, and copies of a cache.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from kv_models import tiny_llama  # noqa: E402 (tests/support)
+
+from tqvec.kv import StaticTurboQuantCache, step_graphs  # noqa: E402
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+
+
+@pytest.fixture
+def graphs_off():
+    """Switch the step graphs off for one test's reference run (restored after)."""
+    def switch(enabled: bool) -> None:
+        step_graphs.ENABLED = enabled
+
+    yield switch
+    step_graphs.ENABLED = True
+
+
+def _cache(model, max_cache_len: int = 96) -> StaticTurboQuantCache:
+    return StaticTurboQuantCache(model.config, max_cache_len, window=9, sinks=2)
+
+
+def test_steps_replay_only_eagerly_on_cuda(graphs_off) -> None:
+    assert not step_graphs.replayable(torch.zeros(1))
+    if torch.cuda.is_available():
+        x = torch.zeros(1, device="cuda")
+        assert step_graphs.replayable(x)
+        graphs_off(False)
+        assert not step_graphs.replayable(x)
+
+
+def test_copies_of_a_cache_start_without_graphs() -> None:
+    """A deep copy's layers get one new pool between them and no recorded graph (the originals write the original's
+    buffers); a pickled and loaded StepGraphs keeps its pool object."""
+    model = tiny_llama()
+    cache = _cache(model)
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 12, dtype=torch.long), cache=cache)
+    twin = copy.deepcopy(cache)
+    pools = {id(layer.graphs.pool) for layer in twin.layers}
+    assert len(pools) == 1 and pools.isdisjoint({id(layer.graphs.pool) for layer in cache.layers})
+    assert all(layer.graphs.slots == () for layer in twin.layers)
+
+
+@cuda
+def test_run_records_once_replays_and_returns_copies() -> None:
+    graphs = step_graphs.StepGraphs(step_graphs.GraphPool())
+    calls = []
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return x * 2
+
+    anchor = torch.zeros(1, device="cuda")
+    x = torch.arange(4.0, device="cuda")
+    first = graphs.run("step", (anchor, 1), (x,), double)  # eagerly, then recorded (a second call of double)
+    assert torch.equal(first, x * 2) and len(calls) == 2 and graphs.slots == ("step",)
+    held = graphs.run("step", (anchor, 1), (x + 1,), double)  # replayed: double is not called
+    assert torch.equal(held, (x + 1) * 2) and len(calls) == 2
+    again = graphs.run("step", (anchor, 1), (x + 5,), double)
+    assert torch.equal(again, (x + 5) * 2) and torch.equal(held, (x + 1) * 2)  # the earlier output is a copy
+    for key, inputs in (((anchor, 2), (x,)), ((anchor.clone(), 2), (x,)), ((anchor.clone(), 2), (x[:3],))):
+        before = len(calls)
+        assert torch.equal(graphs.run("step", key, inputs, double), inputs[0] * 2)
+        assert len(calls) == before + 2  # another setting, another tensor object or another shape: recorded again
+
+
+@cuda
+@pytest.mark.parametrize("pads", [0, 7])
+def test_graphed_steps_equal_launched_steps(graphs_off, pads) -> None:
+    """Forty one-token steps (the ring evicts into the codes on each) through recorded graphs give the launched steps'
+    logits exactly; with a left-padded row the mask is a graph input too; generate() agrees as well."""
+    model = tiny_llama().cuda()
+    ids = torch.randint(1, 64, (2, 30), generator=torch.Generator().manual_seed(3)).cuda()
+    mask = torch.ones_like(ids)
+    mask[1, :pads] = 0
+    follow = torch.randint(1, 64, (2, 40), generator=torch.Generator().manual_seed(4)).cuda()
+
+    def steps() -> tuple[torch.Tensor, list, torch.Tensor]:
+        cache = _cache(model)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, cache=cache)
+            logits, seen = [], mask
+            for t in range(40):
+                seen = torch.cat([seen, torch.ones_like(seen[:, :1])], dim=1)
+                logits.append(model(input_ids=follow[:, t:t + 1], attention_mask=seen, cache=cache).logits)
+            tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                                    pad_token_id=0, cache=_cache(model), disable_compile=True)
+        return torch.stack(logits), [layer.graphs.slots for layer in cache.layers], tokens
+
+    graphed, slots, tokens = steps()
+    graphs_off(False)
+    launched, none, reference_tokens = steps()
+    assert slots == [("write", "attend")] * 2 and none == [()] * 2
+    assert torch.equal(graphed, launched)
+    assert torch.equal(tokens, reference_tokens)
+
+
+@cuda
+def test_a_step_captured_by_the_caller_launches_its_kernels() -> None:
+    """Inside a CUDA graph the caller captures, a step does not record graphs of its own (it launches the kernels into
+    the caller's graph): replaying the caller's graph continues the eager steps' logits."""
+    model = tiny_llama().cuda()
+    ids = torch.randint(1, 64, (1, 30), generator=torch.Generator().manual_seed(5)).cuda()
+    token = torch.full((1, 1), 7, device="cuda")
+
+    def run(capture: bool) -> list[torch.Tensor]:
+        cache = _cache(model)
+        with torch.no_grad():
+            model(input_ids=ids, cache=cache)
+            model(input_ids=token, cache=cache)  # an eager step first (records the layers' graphs)
+            if not capture:
+                return [model(input_ids=token, cache=cache).logits.clone() for _ in range(5)]
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = model(input_ids=token, cache=cache).logits
+            out = []
+            for _ in range(5):
+                graph.replay()
+                out.append(logits.clone())
+            return out
+
+    assert torch.equal(torch.stack(run(True)), torch.stack(run(False)))
+
+
+def test_a_used_cache_deep_copies_and_both_copies_continue_alike() -> None:
+    """After CPU decode steps (whose code tables then hold the native kernel's plan, which cannot be copied), a deep
+    copy of either cache class continues exactly as the original (transformers' prompt-reuse recipe deep-copies a
+    cache)."""
+    from tqvec.kv import TurboQuantCache  # noqa: PLC0415
+
+    model = tiny_llama()
+    ids = torch.randint(1, 64, (1, 30), generator=torch.Generator().manual_seed(6))
+    for make in (lambda: _cache(model), lambda: TurboQuantCache(model.config, window=8, sinks=2, compress_chunk=1)):
+        cache = make()
+        with torch.no_grad():
+            model(input_ids=ids, cache=cache)
+            for t in range(3):
+                model(input_ids=ids[:, t:t + 1], cache=cache)
+            twin = copy.deepcopy(cache)
+            a = [model(input_ids=ids[:, t:t + 1], cache=cache).logits for t in range(4)]
+            b = [model(input_ids=ids[:, t:t + 1], cache=twin).logits for t in range(4)]
+        assert torch.equal(torch.stack(a), torch.stack(b))

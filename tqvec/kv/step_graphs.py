@@ -1,0 +1,154 @@
+"""CUDA graphs of a static cache's eager one-token steps: each layer's write and attention replayed, not relaunched.
+
+A one-token step of a :class:`~tqvec.kv.static.StaticTurboQuantLayer` on CUDA has fixed shapes, fixed addresses and
+no host synchronization (the module docstring of :mod:`tqvec.kv.static`). Run eagerly (not traced by
+``torch.compile``, not inside a graph the caller is capturing), the layer records its write (the fused append kernels
+and the length update) and its attention (the decode kernels' split and combine) in two CUDA graphs, and later steps
+copy the step's key and value, and its query (and mask, when one is given), into the graphs' input buffers and replay
+them: a few microseconds of host time per layer where the Python around the launches cost a few hundred
+(docs/kv.md). An eager ``generate()`` or decode loop over a :class:`~tqvec.kv.StaticTurboQuantCache` gets this
+without asking; :data:`ENABLED` switches it off.
+
+A graph is recorded again whenever what it was recorded for changes: the step's shapes and dtypes, whether a mask is
+given, the scaling, the decode kernels' tuning constants, or the layer's buffers themselves (a layer keeps its
+buffers; the recorded entry holds them, so an address a graph writes cannot be freed under it). The step that records
+runs eagerly first on the copied inputs (doing the step's work and compiling any new kernel specialization), then
+records (a recording runs nothing). All graphs of one cache share one memory pool (:class:`GraphPool`): the steps of a
+cache run one after another on one stream, so the work buffers each graph allocates may share memory. Using one cache
+from several streams at once is not supported (it was not before either: its buffers are written in place). The
+output of a replayed attention is returned as a copy, so holding it across steps is safe.
+
+Copies of a layer (``copy.deepcopy``, pickling) start without recorded graphs: the graphs write the original's
+buffers.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+#: replay recorded CUDA graphs for eager one-token steps of a static cache (off: launch the kernels each step)
+ENABLED = True
+
+
+class GraphPool:
+    """One CUDA graph memory pool, made at first use (``torch.cuda.graph_pool_handle``), shared by the step graphs of
+    one cache's layers. A copy is a new, unused pool."""
+
+    def __init__(self) -> None:
+        self._handle = None
+
+    @property
+    def handle(self):
+        """The pool handle ``torch.cuda.CUDAGraph.capture_begin`` takes."""
+        if self._handle is None:
+            self._handle = torch.cuda.graph_pool_handle()
+        return self._handle
+
+    def __deepcopy__(self, memo: dict) -> GraphPool:
+        return GraphPool()
+
+    def __reduce__(self):
+        return GraphPool, ()
+
+
+@dataclass
+class _Recorded:
+    """One recorded step: what it was recorded for, the graph, its input buffers and its output (None for a write)."""
+
+    key: tuple
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor, ...]
+    output: torch.Tensor | None
+
+
+def replayable(x: torch.Tensor) -> bool:
+    """Whether a step on ``x``'s device may replay or record a graph now: CUDA, :data:`ENABLED`, not being traced by
+    ``torch.compile`` and not inside a CUDA graph the caller is capturing."""
+    return (ENABLED and x.is_cuda and not torch.compiler.is_compiling()
+            and not torch.cuda.is_current_stream_capturing())
+
+
+class StepGraphs:
+    """The recorded write and attention of one static layer's one-token steps (see the module docstring).
+
+    Parameters
+    ----------
+    pool : GraphPool
+        The memory pool the layer's graphs record into (a cache's layers share one).
+
+    Examples
+    --------
+    >>> graphs = StepGraphs(GraphPool())
+    >>> graphs.run("write", key, (k, v), lambda k, v: layer.write_one(k, v))  # doctest: +SKIP
+    """
+
+    def __init__(self, pool: GraphPool) -> None:
+        self.pool = pool
+        self._recorded: dict[str, _Recorded] = {}
+
+    def run(self, slot: str, key: tuple, inputs: tuple[torch.Tensor, ...],
+            step: Callable[..., torch.Tensor | None]) -> torch.Tensor | None:
+        """``step(*inputs)``, through the graph recorded in ``slot`` for ``key`` (recorded now if there is none, or one
+        for another key). ``key`` must name everything ``step`` depends on besides the inputs' values (shapes and
+        dtypes of the inputs are added here); the tensors in it are compared by identity and kept alive.
+
+        Parameters
+        ----------
+        slot : str
+            Which step (``"write"``, ``"attend"``): one recorded graph per slot.
+        key : tuple
+            What the recording depends on (tensors by identity, other values by equality).
+        inputs : tuple of torch.Tensor
+            The step's inputs (CUDA); copied into the graph's own buffers.
+        step : callable
+            Runs the step on tensors shaped like ``inputs``; returns a tensor, or None.
+
+        Returns
+        -------
+        torch.Tensor or None
+            A copy of the step's output (a fresh tensor each call), or None.
+        """
+        key = (*key, *((x.shape, x.dtype) for x in inputs))
+        held = self._recorded.get(slot)
+        if held is not None and _same(held.key, key):
+            for buffer, x in zip(held.inputs, inputs):
+                buffer.copy_(x)
+            held.graph.replay()
+            return None if held.output is None else held.output.clone()
+        self._recorded.pop(slot, None)
+        buffers = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in inputs)
+        for buffer, x in zip(buffers, inputs):
+            buffer.copy_(x)
+        result = step(*buffers)  # this step's work, eagerly (and any kernel compilation, outside the recording)
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(device=buffers[0].device)
+        side.wait_stream(torch.cuda.current_stream(buffers[0].device))
+        with torch.cuda.stream(side):
+            graph.capture_begin(pool=self.pool.handle)
+            try:
+                output = step(*buffers)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(buffers[0].device).wait_stream(side)
+        self._recorded[slot] = _Recorded(key, graph, buffers, output)
+        return result
+
+    @property
+    def slots(self) -> tuple[str, ...]:
+        """The slots with a recorded graph, in order of recording."""
+        return tuple(self._recorded)
+
+    def __deepcopy__(self, memo: dict) -> StepGraphs:
+        return StepGraphs(copy.deepcopy(self.pool, memo))
+
+    def __reduce__(self):
+        return StepGraphs, (self.pool,)
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    """Keys equal: tensors the same objects, other entries equal."""
+    return len(a) == len(b) and all(
+        (x is y) if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) else x == y for x, y in zip(a, b))
