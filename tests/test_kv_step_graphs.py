@@ -65,18 +65,19 @@ def test_run_records_once_replays_and_returns_copies() -> None:
         calls.append(1)
         return x * 2
 
-    anchor = torch.zeros(1, device="cuda")
+    token = object()
     x = torch.arange(4.0, device="cuda")
-    first = graphs.run("step", (anchor, 1), (x,), double)  # eagerly, then recorded (a second call of double)
+    first = graphs.run("step", (token, 1), (x,), double)  # eagerly, then recorded (a second call of double)
     assert torch.equal(first, x * 2) and len(calls) == 2 and graphs.slots == ("step",)
-    held = graphs.run("step", (anchor, 1), (x + 1,), double)  # replayed: double is not called
+    held = graphs.run("step", (token, 1), (x + 1,), double)  # replayed: double is not called
     assert torch.equal(held, (x + 1) * 2) and len(calls) == 2
-    again = graphs.run("step", (anchor, 1), (x + 5,), double)
+    again = graphs.run("step", (token, 1), (x + 5,), double)
     assert torch.equal(again, (x + 5) * 2) and torch.equal(held, (x + 1) * 2)  # the earlier output is a copy
-    for key, inputs in (((anchor, 2), (x,)), ((anchor.clone(), 2), (x,)), ((anchor.clone(), 2), (x[:3],))):
+    for key, inputs in (((token, 2), (x,)), ((token, 2), (x[:3],)), ((token, 2), (x[:3].half(),)),
+                        ((object(), 2), (x[:3].half(),))):  # each differs from the one before in one thing
         before = len(calls)
         assert torch.equal(graphs.run("step", key, inputs, double), inputs[0] * 2)
-        assert len(calls) == before + 2  # another setting, another tensor object or another shape: recorded again
+        assert len(calls) == before + 2  # another setting, token, shape or dtype: recorded again
 
 
 @cuda

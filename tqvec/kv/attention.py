@@ -305,7 +305,8 @@ def _replayed_static_attention(layer: StaticTurboQuantLayer, query: torch.Tensor
         return static_attention(layer, q, None if valid is None else valid[:, None, None, :], scaling)
 
     inputs = (query,) if mask is None else (query, _valid(mask, query))
-    return layer.graphs.run("attend", (*layer.buffers(), mask is None, scaling, kernel.tuning()), inputs, step)
+    return layer.graphs.run("attend", (layer.buffer_token, mask is None, scaling, kernel.tuning()), inputs, step,
+                            keep=tuple(layer.buffers()))
 
 
 def compressed_attention(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:

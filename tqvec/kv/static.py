@@ -130,6 +130,8 @@ class StaticTurboQuantLayer(CacheLayerMixin):
         #: whether or not a mask is given (transformers materializes the mask while a CUDA graph is being captured)
         self.all_valid = torch.ones((b, self.max_cache_len), dtype=torch.bool, device=self.device)
         self.centered = False
+        #: names this set of buffers in the step graphs' keys (a new object whenever the layer holds other buffers)
+        self.buffer_token = object()
         self.fused = FUSED_APPEND and self.device.type == "cuda" and _fused_append_serves(self.key_codec,
                                                                                           self.value_codec)
         self.op_key = static_ops.register(self)
@@ -162,6 +164,7 @@ class StaticTurboQuantLayer(CacheLayerMixin):
         if all(a is b for a, b in zip(tensors, self.buffers())):
             return self
         twin = copy.copy(self)
+        twin.buffer_token = object()
         (twin.sink_keys, twin.sink_values, twin.ring_keys, twin.ring_values, twin.key_mean, twin.value_mean, twin.lengths,
          twin.all_valid, key_packed, key_scales, value_packed, value_scales) = tensors
         twin.key_store, twin.value_store = copy.copy(self.key_store), copy.copy(self.value_store)
@@ -183,7 +186,8 @@ class StaticTurboQuantLayer(CacheLayerMixin):
             if torch.compiler.is_compiling():
                 torch.ops.tqvec.static_append(key_states, value_states, self.buffers(), self.op_key)
             elif replayable(key_states):  # eager on CUDA: the step's recorded graph (tqvec.kv.step_graphs)
-                self.graphs.run("write", (*self.buffers(), self.fused), (key_states, value_states), self.write_one)
+                self.graphs.run("write", (self.buffer_token, self.fused), (key_states, value_states), self.write_one,
+                                keep=tuple(self.buffers()))
             else:  # eager: the operator's body without its dispatch (which cost more than the step's kernels)
                 self.write_one(key_states, value_states)
             handle = StaticKV(self)

@@ -56,12 +56,14 @@ class GraphPool:
 
 @dataclass
 class _Recorded:
-    """One recorded step: what it was recorded for, the graph, its input buffers and its output (None for a write)."""
+    """One recorded step: what it was recorded for, the graph, its input buffers, its output (None for a write) and the
+    other tensors it uses (kept alive)."""
 
     key: tuple
     graph: torch.cuda.CUDAGraph
     inputs: tuple[torch.Tensor, ...]
     output: torch.Tensor | None
+    keep: tuple[torch.Tensor, ...]
 
 
 def replayable(x: torch.Tensor) -> bool:
@@ -89,51 +91,55 @@ class StepGraphs:
         self.pool = pool
         self._recorded: dict[str, _Recorded] = {}
 
-    def run(self, slot: str, key: tuple, inputs: tuple[torch.Tensor, ...],
-            step: Callable[..., torch.Tensor | None]) -> torch.Tensor | None:
+    def run(self, slot: str, key: tuple, inputs: tuple[torch.Tensor, ...], step: Callable[..., torch.Tensor | None],
+            keep: tuple[torch.Tensor, ...] = ()) -> torch.Tensor | None:
         """``step(*inputs)``, through the graph recorded in ``slot`` for ``key`` (recorded now if there is none, or one
-        for another key). ``key`` must name everything ``step`` depends on besides the inputs' values (shapes and
-        dtypes of the inputs are added here); the tensors in it are compared by identity and kept alive.
+        for another key).
 
         Parameters
         ----------
         slot : str
             Which step (``"write"``, ``"attend"``): one recorded graph per slot.
         key : tuple
-            What the recording depends on (tensors by identity, other values by equality).
+            Everything ``step`` depends on besides the inputs' values, compared with ``==`` (no tensors: name a set of
+            tensors by a token object that is replaced when they are, as a layer's ``buffer_token``); the inputs'
+            shapes and dtypes are added here.
         inputs : tuple of torch.Tensor
             The step's inputs (CUDA); copied into the graph's own buffers.
         step : callable
             Runs the step on tensors shaped like ``inputs``; returns a tensor, or None.
+        keep : tuple of torch.Tensor
+            Tensors the recorded graph reads or writes besides its inputs, kept alive with it.
 
         Returns
         -------
         torch.Tensor or None
             A copy of the step's output (a fresh tensor each call), or None.
         """
-        key = (*key, *((x.shape, x.dtype) for x in inputs))
+        key = (key, tuple(x.shape for x in inputs), tuple(x.dtype for x in inputs))
         held = self._recorded.get(slot)
-        if held is not None and _same(held.key, key):
+        if held is not None and held.key == key:
             for buffer, x in zip(held.inputs, inputs):
                 buffer.copy_(x)
             held.graph.replay()
             return None if held.output is None else held.output.clone()
         self._recorded.pop(slot, None)
-        buffers = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in inputs)
+        device = inputs[0].device
+        buffers = tuple(torch.empty(x.shape, dtype=x.dtype, device=device) for x in inputs)
         for buffer, x in zip(buffers, inputs):
             buffer.copy_(x)
         result = step(*buffers)  # this step's work, eagerly (and any kernel compilation, outside the recording)
         graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream(device=buffers[0].device)
-        side.wait_stream(torch.cuda.current_stream(buffers[0].device))
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             graph.capture_begin(pool=self.pool.handle)
             try:
                 output = step(*buffers)
             finally:
                 graph.capture_end()
-        torch.cuda.current_stream(buffers[0].device).wait_stream(side)
-        self._recorded[slot] = _Recorded(key, graph, buffers, output)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self._recorded[slot] = _Recorded(key, graph, buffers, output, keep)
         return result
 
     @property
@@ -147,8 +153,3 @@ class StepGraphs:
     def __reduce__(self):
         return StepGraphs, (self.pool,)
 
-
-def _same(a: tuple, b: tuple) -> bool:
-    """Keys equal: tensors the same objects, other entries equal."""
-    return len(a) == len(b) and all(
-        (x is y) if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) else x == y for x, y in zip(a, b))
