@@ -604,7 +604,7 @@ def markdown(data: dict) -> str:
         out += ["## Eager decode tokens/s, batch 1", "", _command_line(s), "",
                 f"`bench.kv_step.decode_ms`: one-shot prefill, {E2E_WARMUP} untimed steps, then the timed ones. Targets: "
                 + ", ".join(f"≥ {v:g}× at {k}" for k, v in DECODE_TARGETS.items())
-                + " (TurboQuantCache / the faster DynamicCache).", "",
+                + " (TurboQuantCache, and StaticTurboQuantCache's eager steps, / the faster DynamicCache).", "",
                 "| cache | variant | context | tokens/s | ms/step | cache GiB |", "|---|---|---|---|---|---|"]
         out += [f"| {r['cache']} | {r['variant']} | {r['context']} | skipped ({r['skipped']}) |  |  |" if "skipped" in r else
                 f"| {r['cache']} | {r['variant']} | {r['context']} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | "
