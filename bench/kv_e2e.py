@@ -275,12 +275,12 @@ def _cudnn_sdpa(enabled: bool) -> Iterator[None]:
 
 @contextmanager
 def _step_graphs(enabled: bool) -> Iterator[None]:
-    """A static cache's eager step graphs (:mod:`tqvec.kv.step_graphs`) on or off within the block (on afterwards)."""
-    step_graphs.ENABLED = enabled
+    """A static cache's eager step graphs (:mod:`tqvec.kv.step_graphs`) on or off within the block (as before after)."""
+    before, step_graphs.ENABLED = step_graphs.ENABLED, enabled
     try:
         yield
     finally:
-        step_graphs.ENABLED = True
+        step_graphs.ENABLED = before
 
 
 def warm_up(bench: Bench, kind: Kind, batches: set[int]) -> None:
@@ -479,7 +479,8 @@ def peak_checks(section: dict, dynamic: str, turbo: str) -> list[dict]:
 
 def decode_checks(section: dict, dynamic: str, turbo: str) -> list[dict]:
     """Per context: the faster DynamicCache variant's tokens/s, TurboQuantCache's, their ratio, target and verdict, and
-    StaticTurboQuantCache's tokens/s and ratio where it was run (None otherwise)."""
+    StaticTurboQuantCache's tokens/s, ratio and verdict against the same target (its eager steps with step graphs,
+    where it was run; None otherwise)."""
     out = []
     by_context: dict[int, list[dict]] = {}
     for r in section.get("rows", []):

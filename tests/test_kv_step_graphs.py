@@ -2,11 +2,12 @@
 
 Oracle: the same steps with the graphs switched off (``step_graphs.ENABLED = False``), which launch the same kernels
 on the same inputs, so logits and generated tokens must be identical. The CPU tests cover what does not need a GPU:
-when a step may replay, and copies of a cache.
+when a step may replay, and deep copies of a cache.
 """
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ pytest.importorskip("transformers")
 
 from kv_models import tiny_llama  # noqa: E402 (tests/support)
 
-from tqvec.kv import StaticTurboQuantCache, step_graphs  # noqa: E402
+from tqvec.kv import StaticTurboQuantCache, static_ops, step_graphs  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 
@@ -23,11 +24,13 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs nee
 @pytest.fixture
 def graphs_off():
     """Switch the step graphs off for one test's reference run (restored after)."""
+    before = step_graphs.ENABLED
+
     def switch(enabled: bool) -> None:
         step_graphs.ENABLED = enabled
 
     yield switch
-    step_graphs.ENABLED = True
+    step_graphs.ENABLED = before
 
 
 def _cache(model, max_cache_len: int = 96) -> StaticTurboQuantCache:
@@ -43,9 +46,10 @@ def test_steps_replay_only_eagerly_on_cuda(graphs_off) -> None:
         assert not step_graphs.replayable(x)
 
 
-def test_copies_of_a_cache_start_without_graphs() -> None:
+def test_copies_of_a_cache_start_without_graphs_and_share_the_codecs() -> None:
     """A deep copy's layers get one new pool between them and no recorded graph (the originals write the original's
-    buffers); a pickled and loaded StepGraphs keeps its pool object."""
+    buffers), keep the shared codec objects (what a compiled step's constants come from) and are registered for the
+    compiled step's operators, which still find a layer once the original is gone."""
     model = tiny_llama()
     cache = _cache(model)
     with torch.no_grad():
@@ -53,7 +57,15 @@ def test_copies_of_a_cache_start_without_graphs() -> None:
     twin = copy.deepcopy(cache)
     pools = {id(layer.graphs.pool) for layer in twin.layers}
     assert len(pools) == 1 and pools.isdisjoint({id(layer.graphs.pool) for layer in cache.layers})
-    assert all(layer.graphs.slots == () for layer in twin.layers)
+    assert all(layer.graphs.slots == () and layer.graphs.recordings == 0 for layer in twin.layers)
+    for a, b in zip(cache.layers, twin.layers):
+        assert a.key_codec is b.key_codec and b.key_store.codec is a.key_codec and a.value_codec is b.value_codec
+        assert a.key_store.fields[0]["packed"] is not b.key_store.fields[0]["packed"]
+        assert b.buffer_token is not a.buffer_token and b.op_key == a.op_key
+    key = twin.layers[0].op_key
+    del cache
+    gc.collect()
+    assert any(static_ops._layer(key) is layer for layer in twin.layers)
 
 
 @cuda
@@ -101,14 +113,34 @@ def test_graphed_steps_equal_launched_steps(graphs_off, pads) -> None:
                 logits.append(model(input_ids=follow[:, t:t + 1], attention_mask=seen, cache=cache).logits)
             tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
                                     pad_token_id=0, cache=_cache(model), disable_compile=True)
-        return torch.stack(logits), [layer.graphs.slots for layer in cache.layers], tokens
+        return torch.stack(logits), [(layer.graphs.slots, layer.graphs.recordings) for layer in cache.layers], tokens
 
     graphed, slots, tokens = steps()
     graphs_off(False)
     launched, none, reference_tokens = steps()
-    assert slots == [("write", "attend")] * 2 and none == [()] * 2
+    assert slots == [(("write", "attend"), 2)] * 2 and none == [((), 0)] * 2  # recorded once, replayed 39 times
     assert torch.equal(graphed, launched)
     assert torch.equal(tokens, reference_tokens)
+
+
+@cuda
+def test_a_step_that_cannot_be_recorded_warns_and_runs_eagerly() -> None:
+    """A step that synchronizes cannot be captured: its first call still does the work once, warns, and later calls
+    with the same key run it eagerly without trying again."""
+    graphs = step_graphs.StepGraphs(step_graphs.GraphPool())
+    calls = []
+
+    def synchronizing(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return x * float(x.sum())  # .item(): not allowed while capturing
+
+    x = torch.ones(3, device="cuda")
+    with pytest.warns(RuntimeWarning, match="could not be recorded"):
+        assert torch.equal(graphs.run("step", (1,), (x,), synchronizing), x * 3)
+    assert len(calls) == 2 and graphs.slots == () and graphs.recordings == 0
+    assert torch.equal(graphs.run("step", (1,), (x * 2,), synchronizing), x * 24)
+    assert len(calls) == 3
+    assert torch.equal(torch.ones(2, device="cuda") + 1, torch.full((2,), 2.0, device="cuda"))  # CUDA still usable
 
 
 @cuda

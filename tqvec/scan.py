@@ -51,7 +51,7 @@ class CodeTable:
     def __reduce__(self):
         """Copies and pickles hold the layout and levels only: the derived tables (a native plan among them, which
         cannot be copied) are made again on first use."""
-        return CodeTable, (self.layout, self.levels)
+        return type(self), (self.layout, self.levels)
 
     def native_plan(self) -> _fastscan.Plan:
         """How the native kernel reads this layout, computed once."""

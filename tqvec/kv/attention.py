@@ -306,7 +306,7 @@ def _replayed_static_attention(layer: StaticTurboQuantLayer, query: torch.Tensor
 
     inputs = (query,) if mask is None else (query, _valid(mask, query))
     return layer.graphs.run("attend", (layer.buffer_token, mask is None, scaling, kernel.tuning()), inputs, step,
-                            keep=tuple(layer.buffers()))
+                            lambda: tuple(layer.buffers()))
 
 
 def compressed_attention(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:

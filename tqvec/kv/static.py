@@ -71,6 +71,17 @@ def _fused_append_serves(*codecs: HeadCodec) -> bool:
     return all(append.serves(codec.groups[0].quantizer) for codec in codecs)
 
 
+def _copy_sharing_codecs(obj: object, memo: dict, codecs: tuple[HeadCodec, ...]) -> object:
+    """A deep copy of ``obj`` in which ``codecs`` (and everything that refers to them) keep the shared objects: a
+    compiled step reads the constants of the codec objects it was recorded with (:func:`_shared`)."""
+    for codec in codecs:
+        memo[id(codec)] = codec
+    twin = object.__new__(type(obj))
+    memo[id(obj)] = twin
+    twin.__dict__.update(copy.deepcopy(obj.__dict__, memo))
+    return twin
+
+
 @dataclass
 class StaticKV:
     """What a one-token step's attention reads from a :class:`StaticTurboQuantLayer`: the layer itself (its buffers
@@ -144,6 +155,16 @@ class StaticTurboQuantLayer(CacheLayerMixin):
                 torch._dynamo.mark_static_address(t)
         self.is_initialized = True
 
+    def __deepcopy__(self, memo: dict) -> "StaticTurboQuantLayer":
+        """A copy with its own buffers (and no recorded step graphs) that shares the codecs, as layers of one
+        specification do, and is registered for the compiled step's operators under the same key."""
+        twin = _copy_sharing_codecs(self, memo, (self.key_codec, self.value_codec))
+        if twin.is_initialized:
+            twin.op_key = static_ops.register(twin)
+            for t in twin.buffers():  # fixed addresses, as the original's (lazy_initialization)
+                torch._dynamo.mark_static_address(t)
+        return twin
+
     def spec(self) -> tuple:
         """What a one-token step takes from the layer besides its buffers (codecs, sizes, device, kernel choice):
         layers of equal ``spec`` are interchangeable given the buffers (:mod:`tqvec.kv.static_ops`)."""
@@ -186,8 +207,8 @@ class StaticTurboQuantLayer(CacheLayerMixin):
             if torch.compiler.is_compiling():
                 torch.ops.tqvec.static_append(key_states, value_states, self.buffers(), self.op_key)
             elif replayable(key_states):  # eager on CUDA: the step's recorded graph (tqvec.kv.step_graphs)
-                self.graphs.run("write", (self.buffer_token, self.fused), (key_states, value_states), self.write_one,
-                                keep=tuple(self.buffers()))
+                self.graphs.run("write", (self.buffer_token,), (key_states, value_states), self.write_one,
+                                lambda: tuple(self.buffers()))
             else:  # eager: the operator's body without its dispatch (which cost more than the step's kernels)
                 self.write_one(key_states, value_states)
             handle = StaticKV(self)
@@ -394,3 +415,7 @@ class StaticTurboQuantCache(CodedCache):
                   for kind, kw in zip(layer_types, layer_kwargs)]
         super().__init__(layers=layers)
         self.key_codec, self.value_codec = _shared(key_codec), _shared(value_codec)
+
+    def __deepcopy__(self, memo: dict) -> "StaticTurboQuantCache":
+        """A copy whose layers have buffers of their own and share the codecs (:meth:`StaticTurboQuantLayer.__deepcopy__`)."""
+        return _copy_sharing_codecs(self, memo, (self.key_codec, self.value_codec))

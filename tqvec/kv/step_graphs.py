@@ -5,25 +5,27 @@ no host synchronization (the module docstring of :mod:`tqvec.kv.static`). Run ea
 ``torch.compile``, not inside a graph the caller is capturing), the layer records its write (the fused append kernels
 and the length update) and its attention (the decode kernels' split and combine) in two CUDA graphs, and later steps
 copy the step's key and value, and its query (and mask, when one is given), into the graphs' input buffers and replay
-them: a few microseconds of host time per layer where the Python around the launches cost a few hundred
+them: tens of microseconds of host time per layer where the Python around the launches cost a few hundred
 (docs/kv.md). An eager ``generate()`` or decode loop over a :class:`~tqvec.kv.StaticTurboQuantCache` gets this
 without asking; :data:`ENABLED` switches it off.
 
 A graph is recorded again whenever what it was recorded for changes: the step's shapes and dtypes, whether a mask is
-given, the scaling, the decode kernels' tuning constants, or the layer's buffers themselves (a layer keeps its
-buffers; the recorded entry holds them, so an address a graph writes cannot be freed under it). The step that records
-runs eagerly first on the copied inputs (doing the step's work and compiling any new kernel specialization), then
-records (a recording runs nothing). All graphs of one cache share one memory pool (:class:`GraphPool`): the steps of a
-cache run one after another on one stream, so the work buffers each graph allocates may share memory. Using one cache
-from several streams at once is not supported (it was not before either: its buffers are written in place). The
+given, the scaling, the decode kernels' tuning constants, autocast, or the layer's buffers themselves (a layer keeps
+its buffers; the recorded entry holds them, so an address a graph writes cannot be freed under it). The step that
+records runs eagerly first on the copied inputs (doing the step's work and compiling any new kernel specialization),
+then records (a recording runs nothing); a step that cannot be recorded (a synchronization inside it, say) warns once
+and runs eagerly from then on for that key. All graphs of one cache share one memory pool and one recording stream
+(:class:`GraphPool`): the steps of a cache run one after another on one stream, so the work buffers each graph
+allocates share memory. Recording uses thread-local capture, so other threads may keep working meanwhile; using one
+cache from several streams at once is not supported (it was not before either: its buffers are written in place). The
 output of a replayed attention is returned as a copy, so holding it across steps is safe.
 
-Copies of a layer (``copy.deepcopy``, pickling) start without recorded graphs: the graphs write the original's
-buffers.
+Copies of a layer (``copy.deepcopy``, pickling) start without recorded graphs and with a pool of their own: the
+graphs write the original's buffers.
 """
 from __future__ import annotations
 
-import copy
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,11 +36,13 @@ ENABLED = True
 
 
 class GraphPool:
-    """One CUDA graph memory pool, made at first use (``torch.cuda.graph_pool_handle``), shared by the step graphs of
-    one cache's layers. A copy is a new, unused pool."""
+    """One CUDA graph memory pool and one recording stream, made at first use, shared by the step graphs of one cache's
+    layers (the caching allocator reuses a freed block only on the stream that allocated it: one stream lets the
+    graphs' temporaries share memory). A copy is a new, unused pool."""
 
     def __init__(self) -> None:
         self._handle = None
+        self._stream: torch.cuda.Stream | None = None
 
     @property
     def handle(self):
@@ -47,8 +51,11 @@ class GraphPool:
             self._handle = torch.cuda.graph_pool_handle()
         return self._handle
 
-    def __deepcopy__(self, memo: dict) -> GraphPool:
-        return GraphPool()
+    def stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The stream graphs are recorded on (made on ``device`` at first use)."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=device)
+        return self._stream
 
     def __reduce__(self):
         return GraphPool, ()
@@ -60,7 +67,7 @@ class _Recorded:
     other tensors it uses (kept alive)."""
 
     key: tuple
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | None  # None: the step could not be recorded (it runs eagerly)
     inputs: tuple[torch.Tensor, ...]
     output: torch.Tensor | None
     keep: tuple[torch.Tensor, ...]
@@ -90,9 +97,11 @@ class StepGraphs:
     def __init__(self, pool: GraphPool) -> None:
         self.pool = pool
         self._recorded: dict[str, _Recorded] = {}
+        #: graphs recorded so far (a step that replays adds none)
+        self.recordings = 0
 
     def run(self, slot: str, key: tuple, inputs: tuple[torch.Tensor, ...], step: Callable[..., torch.Tensor | None],
-            keep: tuple[torch.Tensor, ...] = ()) -> torch.Tensor | None:
+            keep: Callable[[], tuple[torch.Tensor, ...]] = tuple) -> torch.Tensor | None:
         """``step(*inputs)``, through the graph recorded in ``slot`` for ``key`` (recorded now if there is none, or one
         for another key).
 
@@ -103,53 +112,65 @@ class StepGraphs:
         key : tuple
             Everything ``step`` depends on besides the inputs' values, compared with ``==`` (no tensors: name a set of
             tensors by a token object that is replaced when they are, as a layer's ``buffer_token``); the inputs'
-            shapes and dtypes are added here.
+            shapes and dtypes and whether autocast is on are added here.
         inputs : tuple of torch.Tensor
             The step's inputs (CUDA); copied into the graph's own buffers.
         step : callable
             Runs the step on tensors shaped like ``inputs``; returns a tensor, or None.
-        keep : tuple of torch.Tensor
-            Tensors the recorded graph reads or writes besides its inputs, kept alive with it.
+        keep : callable
+            Returns the tensors the recorded graph reads or writes besides its inputs, kept alive with it (called when
+            recording).
 
         Returns
         -------
         torch.Tensor or None
             A copy of the step's output (a fresh tensor each call), or None.
+
+        Warns
+        -----
+        RuntimeWarning
+            When the step cannot be recorded; it then runs eagerly for this key (its work is done once either way).
         """
-        key = (key, tuple(x.shape for x in inputs), tuple(x.dtype for x in inputs))
+        device = inputs[0].device
+        key = (key, tuple(x.shape for x in inputs), tuple(x.dtype for x in inputs), torch.is_autocast_enabled("cuda"))
         held = self._recorded.get(slot)
         if held is not None and held.key == key:
+            if held.graph is None:
+                return step(*inputs)
             for buffer, x in zip(held.inputs, inputs):
                 buffer.copy_(x)
             held.graph.replay()
             return None if held.output is None else held.output.clone()
         self._recorded.pop(slot, None)
-        device = inputs[0].device
         buffers = tuple(torch.empty(x.shape, dtype=x.dtype, device=device) for x in inputs)
         for buffer, x in zip(buffers, inputs):
             buffer.copy_(x)
         result = step(*buffers)  # this step's work, eagerly (and any kernel compilation, outside the recording)
         graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream(device=device)
+        side = self.pool.stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            graph.capture_begin(pool=self.pool.handle)
-            try:
-                output = step(*buffers)
-            finally:
-                graph.capture_end()
-        torch.cuda.current_stream(device).wait_stream(side)
-        self._recorded[slot] = _Recorded(key, graph, buffers, output, keep)
+        try:
+            with torch.cuda.stream(side):
+                graph.capture_begin(pool=self.pool.handle, capture_error_mode="thread_local")
+                try:
+                    output = step(*buffers)
+                finally:
+                    graph.capture_end()
+        except RuntimeError as err:
+            warnings.warn(f"the {slot} step could not be recorded in a CUDA graph ({err}); it runs eagerly",
+                          RuntimeWarning, stacklevel=2)
+            self._recorded[slot] = _Recorded(key, None, (), None, ())
+            return result
+        finally:
+            torch.cuda.current_stream(device).wait_stream(side)
+        self._recorded[slot] = _Recorded(key, graph, buffers, output, keep())
+        self.recordings += 1
         return result
 
     @property
     def slots(self) -> tuple[str, ...]:
         """The slots with a recorded graph, in order of recording."""
-        return tuple(self._recorded)
-
-    def __deepcopy__(self, memo: dict) -> StepGraphs:
-        return StepGraphs(copy.deepcopy(self.pool, memo))
+        return tuple(slot for slot, held in self._recorded.items() if held.graph is not None)
 
     def __reduce__(self):
         return StepGraphs, (self.pool,)
-
