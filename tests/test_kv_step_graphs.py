@@ -49,7 +49,7 @@ def test_steps_replay_only_eagerly_on_cuda(graphs_off) -> None:
 def test_copies_of_a_cache_start_without_graphs_and_share_the_codecs() -> None:
     """A deep copy's layers get one new pool between them and no recorded graph (the originals write the original's
     buffers), keep the shared codec objects (what a compiled step's constants come from) and are registered for the
-    compiled step's operators, which still find a layer once the original is gone."""
+    compiled step's operators, where they stay once the original is gone."""
     model = tiny_llama()
     cache = _cache(model)
     with torch.no_grad():
@@ -65,7 +65,7 @@ def test_copies_of_a_cache_start_without_graphs_and_share_the_codecs() -> None:
     key = twin.layers[0].op_key
     del cache
     gc.collect()
-    assert any(static_ops._layer(key) is layer for layer in twin.layers)
+    assert all(layer in static_ops._LAYERS[key] for layer in twin.layers)
 
 
 @cuda
@@ -138,7 +138,7 @@ def test_a_step_that_cannot_be_recorded_warns_and_runs_eagerly() -> None:
     with pytest.warns(RuntimeWarning, match="could not be recorded"):
         assert torch.equal(graphs.run("step", (1,), (x,), synchronizing), x * 3)
     assert len(calls) == 2 and graphs.slots == () and graphs.recordings == 0
-    assert torch.equal(graphs.run("step", (1,), (x * 2,), synchronizing), x * 24)
+    assert torch.equal(graphs.run("step", (1,), (x * 2,), synchronizing), x * 12)
     assert len(calls) == 3
     assert torch.equal(torch.ones(2, device="cuda") + 1, torch.full((2,), 2.0, device="cuda"))  # CUDA still usable
 
