@@ -8,7 +8,7 @@ CUDA graphs), as it does for ``StaticCache``, and a step can also be captured by
 (:mod:`tqvec.kv.static_ops`), so ``torch.compile(model, fullgraph=True)`` traces a step in one graph; the buffers are
 static addresses, and whatever a step caches is made when they are allocated (:func:`~tqvec.kv.attention.prepare_static_step`).
 Run eagerly on CUDA, a layer records its step's write and attention in CUDA graphs of its own and replays them
-(:mod:`tqvec.kv.step_graphs`), so an eager decode loop pays a few microseconds of host time per layer for them.
+(:mod:`tqvec.kv.step_graphs`), so an eager decode loop pays tens of microseconds of host time per layer for them.
 
 Per full-attention layer (:class:`StaticTurboQuantLayer`), cache positions are split three ways:
 

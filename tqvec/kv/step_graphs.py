@@ -142,9 +142,7 @@ class StepGraphs:
             held.graph.replay()
             return None if held.output is None else held.output.clone()
         self._recorded.pop(slot, None)
-        buffers = tuple(torch.empty(x.shape, dtype=x.dtype, device=device) for x in inputs)
-        for buffer, x in zip(buffers, inputs):
-            buffer.copy_(x)
+        buffers = tuple(x.clone(memory_format=torch.contiguous_format) for x in inputs)
         result = step(*buffers)  # this step's work, eagerly (and any kernel compilation, outside the recording)
         graph = torch.cuda.CUDAGraph()
         side = self.pool.stream(device)
