@@ -84,7 +84,8 @@ void run_chunks(size_t chunks, int threads, const std::function<void(size_t)>& b
     for (; pool->started < helpers; ++pool->started) std::thread(serve, pool).detach();
     pool->queue.push_back(&job);
   }
-  pool->work.notify_all();
+  for (int i = 0; i < helpers; ++i) pool->work.notify_one();  // only as many as the job wants: idle helpers that an
+                                                               // earlier, wider job started stay asleep
   const size_t ran = drain(job);
   std::unique_lock<std::mutex> lock(pool->mutex);
   job.finished += ran;
