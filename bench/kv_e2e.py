@@ -11,12 +11,14 @@ DynamicCache runs with transformers' ``sdpa`` attention, TurboQuantCache (``--bi
   ``empty_cache`` and ``reset_peak_memory_stats``); also the cache's bytes and DynamicCache's 16-bit K/V bytes
   (analytic for the prompt, and held). Target: TurboQuantCache's peak ≤ DynamicCache's − 0.6 × DynamicCache's K/V
   bytes held.
-* ``decode``: eager greedy decode tokens/s per context, :func:`bench.kv_step.decode_ms` (one-shot prefill,
-  ``E2E_WARMUP`` untimed steps, ``--new-tokens`` timed), as ``bench.kv_gpu.end_to_end`` does: DynamicCache with
-  PyTorch's default SDPA backend and with cuDNN's off (the faster is the reference), TurboQuantCache, and at integer
-  ``--bits`` StaticTurboQuantCache with eager steps, which replay its step graphs (:mod:`tqvec.kv.step_graphs`), and
-  with those graphs off. Targets: ≥ 1.0× the reference at 32k, ≥ 1.3× at 128k, checked for TurboQuantCache and for
-  StaticTurboQuantCache's eager steps.
+* ``decode``: eager greedy decode tokens/s per context, all variants side by side (:func:`interleaved_decode`: one
+  one-shot prefill per cache, ``E2E_WARMUP`` untimed steps per variant, then ``--new-tokens`` timed steps per variant
+  in ``DECODE_ROUNDS`` rounds in which the variants take turns, so that the host's slow stretches hit all alike):
+  DynamicCache with PyTorch's default SDPA backend and with cuDNN's off (the faster is the reference),
+  TurboQuantCache, and at integer ``--bits`` StaticTurboQuantCache with eager steps, which replay its step graphs
+  (:mod:`tqvec.kv.step_graphs`), and with those graphs off. Ratios are medians over rounds of same-round ratios.
+  Targets: ≥ 1.0× the reference at 32k, ≥ 1.3× at 128k, checked for TurboQuantCache and for StaticTurboQuantCache's
+  eager steps.
 * ``budget``: the longest batch-1 prompt whose ``generate()`` completes within ``--budget-gib`` beyond what is
   allocated before it (the weights), enforced by ``torch.cuda.set_per_process_memory_fraction`` (the allocator
   raises ``OutOfMemoryError`` past it). Peak is fitted as a + b·length from runs at 4 and 8 ``--length-step``, the
@@ -44,6 +46,7 @@ import gc
 import json
 import os
 import shlex
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -62,7 +65,6 @@ from tqvec.kv import StaticTurboQuantCache, TurboQuantCache, step_graphs
 
 from .kv_cpu import cache_nbytes
 from .kv_gpu import E2E_WARMUP, HKV, HQ, RESULTS, D
-from .kv_step import decode_ms
 
 PARTS = ("peak", "decode", "budget", "batch")
 #: TurboQuantCache's generate() peak must stay at or under DynamicCache's minus this fraction of its K/V bytes
@@ -73,6 +75,8 @@ STATIC_LABEL = "StaticTurboQuantCache"
 STATIC_VARIANT = "tqvec attention, eager steps"
 #: decode speed targets, TurboQuantCache / the faster DynamicCache, by context (other contexts have none)
 DECODE_TARGETS = {32768: 1.0, 131072: 1.3}
+#: rounds the decode part's timed steps are split into (the variants take turns within each round)
+DECODE_ROUNDS = 16
 #: longest prompt and largest batch in the budget: TurboQuantCache ≥ this × DynamicCache
 SIZE_TARGET = 3.0
 #: decode tokens/s at the largest batch each cache completes in the budget: TurboQuantCache ≥ this × DynamicCache
@@ -309,41 +313,118 @@ def peak_part(bench: Bench, contexts: list[int], section: dict) -> None:
                 bench.save()
 
 
-def decode_part(bench: Bench, contexts: list[int], section: dict, bits: float) -> None:
-    """Eager decode tokens/s per context (:func:`decode_ms`, ``E2E_WARMUP`` untimed steps): DynamicCache with the
-    default SDPA backend choice and (on CUDA) with cuDNN's off, TurboQuantCache, and for integer ``bits``
-    StaticTurboQuantCache (its steps eager, as ``generate(disable_compile=True)`` runs them). Rows into
-    ``section["rows"]``."""
+@dataclass(frozen=True)
+class DecodeVariant:
+    """One eager-decode configuration: a cache kind, its row label, and the switches it runs under (cuDNN's SDPA backend,
+    the static cache's step graphs)."""
+
+    kind: Kind
+    label: str
+    cudnn: bool = True
+    graphs: bool = True
+
+    @contextmanager
+    def active(self, model: LlamaForCausalLM) -> Iterator[None]:
+        """The block runs ``model`` with this variant's attention and switches."""
+        model.set_attn_implementation(self.kind.attention)
+        with _cudnn_sdpa(self.cudnn), _step_graphs(self.graphs):
+            yield
+
+
+def _greedy_step(model: LlamaForCausalLM, cache: Cache, token: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=token, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+
+
+def interleaved_decode(model: LlamaForCausalLM, variants: list[DecodeVariant], ids: torch.Tensor, rounds: int, steps: int,
+                       warmup: int) -> tuple[list[list[float]], dict[str, Cache]]:
+    """Milliseconds per greedy step of each variant in each round, measured side by side.
+
+    One cache per distinct kind (variants of a kind share it and continue its sequence) is filled by a one-shot prefill
+    of ``ids`` ``(1, context)``; every variant then runs ``warmup`` untimed steps (kernel compilation, graph recording,
+    the first compression); then ``rounds`` rounds each run ``steps`` steps of every variant, synchronized around each
+    variant's steps, the order rotating by one variant per round, so that a slow stretch of the host hits all alike.
+
+    Returns ``(times, caches)``: ``times[i][r]`` ms/step of ``variants[i]`` in round ``r``; the caches by kind name.
+    """
+    def sync() -> None:
+        if ids.is_cuda:
+            torch.cuda.synchronize()
+
+    caches: dict[str, Cache] = {}
+    tokens: dict[str, torch.Tensor] = {}
+    times: list[list[float]] = [[] for _ in variants]
+    with torch.no_grad():
+        for v in variants:
+            name = v.kind.name
+            with v.active(model):
+                if name not in caches:
+                    caches[name] = cache = v.kind.make()
+                    tokens[name] = model(input_ids=ids, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+                for _ in range(warmup):
+                    tokens[name] = _greedy_step(model, caches[name], tokens[name])
+        for r in range(rounds):
+            for i in [(r + j) % len(variants) for j in range(len(variants))]:
+                v, name = variants[i], variants[i].kind.name
+                with v.active(model):
+                    sync()
+                    start = time.perf_counter()
+                    for _ in range(steps):
+                        tokens[name] = _greedy_step(model, caches[name], tokens[name])
+                    sync()
+                times[i].append((time.perf_counter() - start) / steps * 1000)
+    return times, caches
+
+
+def decode_variants(bench: Bench, context: int, bits: float, rounds: int, steps: int) -> list[DecodeVariant]:
+    """The decode part's variants at ``context``: DynamicCache with the default SDPA backend choice and (on CUDA) with
+    cuDNN's off, TurboQuantCache, and for integer ``bits`` StaticTurboQuantCache (its steps eager, as
+    ``generate(disable_compile=True)`` runs them; on CUDA also with its step graphs off), sized for every step that
+    :func:`interleaved_decode` runs on it."""
     dynamic, turbo = bench.kinds
-    runs = [(dynamic, True, "default SDPA backend", True)]
-    if bench.model.device.type == "cuda":
-        runs.append((dynamic, False, "cuDNN SDPA off", True))
-    runs.append((turbo, True, "tqvec attention", True))
+    cuda = bench.model.device.type == "cuda"
+    out = [DecodeVariant(dynamic, "default SDPA backend")]
+    if cuda:
+        out.append(DecodeVariant(dynamic, "cuDNN SDPA off", cudnn=False))
+    out.append(DecodeVariant(turbo, "tqvec attention"))
+    if bits == int(bits):
+        sharing = 2 if cuda else 1
+        length = context + sharing * (E2E_WARMUP + rounds * steps) + 1
+        static = Kind(f"{STATIC_LABEL} {bits:g}b + tqvec", "tqvec", functools.partial(
+            StaticTurboQuantCache, bench.model.config, length, int(bits), int(bits)))
+        out.append(DecodeVariant(static, STATIC_VARIANT))
+        if cuda:  # the same steps launched without the graphs (the CPU has none)
+            out.append(DecodeVariant(static, STATIC_VARIANT + ", step graphs off", graphs=False))
+    return out
+
+
+def decode_part(bench: Bench, contexts: list[int], section: dict, bits: float) -> None:
+    """Eager decode per context, every variant of :func:`decode_variants` measured side by side by
+    :func:`interleaved_decode` (``E2E_WARMUP`` untimed steps each, then ``--new-tokens`` timed steps each, in up to
+    ``DECODE_ROUNDS`` rounds). A row's ``ms_per_step`` is its median round, ``round_ms`` all rounds. Rows into
+    ``section["rows"]``."""
+    rounds = min(DECODE_ROUNDS, bench.new_tokens)
+    steps = bench.new_tokens // rounds
     device = bench.model.device
     for context in contexts:
-        ids = torch.randint(0, bench.model.config.vocab_size, (1, context), device=device,
-                            generator=torch.Generator(device).manual_seed(context))
-        length = context + E2E_WARMUP + bench.new_tokens + 1
-        static_kind = Kind(f"{STATIC_LABEL} {bits:g}b + tqvec", "tqvec", functools.partial(
-            StaticTurboQuantCache, bench.model.config, length, int(bits), int(bits)))
-        static = [] if bits != int(bits) else [(static_kind, True, STATIC_VARIANT, True)]
-        if static and device.type == "cuda":  # the same steps launched without the graphs (the CPU has none)
-            static.append((static_kind, True, STATIC_VARIANT + ", step graphs off", False))
-        for kind, cudnn, variant, graphs in runs + static:
-            row = {"cache": kind.name, "variant": variant, "context": context}
-            if not bench.deadline.allows():
+        variants = decode_variants(bench, context, bits, rounds, steps)
+        rows = [{"cache": v.kind.name, "variant": v.label, "context": context} for v in variants]
+        if not bench.deadline.allows():
+            for row in rows:
                 row["skipped"] = "time limit"
-            else:
-                bench.model.set_attn_implementation(kind.attention)
-                _fresh_memory()
-                cache = kind.make()
-                with _cudnn_sdpa(cudnn), _step_graphs(graphs):
-                    ms = decode_ms(bench.model, cache, ids, bench.new_tokens, warmup=E2E_WARMUP)
-                row.update(ms_per_step=ms, tokens_per_s=1000 / ms, cache_bytes=cache_nbytes(cache))
-                del cache
+        else:
+            ids = torch.randint(0, bench.model.config.vocab_size, (1, context), device=device,
+                                generator=torch.Generator(device).manual_seed(context))
+            _fresh_memory()
+            times, caches = interleaved_decode(bench.model, variants, ids, rounds, steps, E2E_WARMUP)
+            for row, v, ms in zip(rows, variants, times):
+                median = statistics.median(ms)
+                row.update(ms_per_step=median, tokens_per_s=1000 / median, round_ms=ms,
+                           cache_bytes=cache_nbytes(caches[v.kind.name]))
+            del caches
+        for row in rows:
             section["rows"].append(row)
-            _show(row)
-            bench.save()
+            _show({k: v for k, v in row.items() if k != "round_ms"})
+        bench.save()
 
 
 def _seconds_model(points: list[tuple[int, float]], quadratic: bool) -> Callable[[int], float]:
@@ -477,10 +558,16 @@ def peak_checks(section: dict, dynamic: str, turbo: str) -> list[dict]:
     return out
 
 
+def paired_ratio(reference: dict, row: dict) -> float:
+    """How many times faster ``row`` decodes than ``reference`` (rows of one context): the median over rounds of the
+    reference's ms/step over the row's in the same round."""
+    return statistics.median(r / t for r, t in zip(reference["round_ms"], row["round_ms"]))
+
+
 def decode_checks(section: dict, dynamic: str, turbo: str) -> list[dict]:
-    """Per context: the faster DynamicCache variant's tokens/s, TurboQuantCache's, their ratio, target and verdict, and
-    StaticTurboQuantCache's tokens/s, ratio and verdict against the same target (its eager steps with step graphs,
-    where it was run; None otherwise)."""
+    """Per context: the faster DynamicCache variant (by median round) and its tokens/s, TurboQuantCache's, their
+    :func:`paired_ratio`, target and verdict, and StaticTurboQuantCache's tokens/s, ratio and verdict against the same
+    target (its eager steps with step graphs, where it was run; None otherwise)."""
     out = []
     by_context: dict[int, list[dict]] = {}
     for r in section.get("rows", []):
@@ -491,10 +578,10 @@ def decode_checks(section: dict, dynamic: str, turbo: str) -> list[dict]:
         tq = next((r for r in rows if r["cache"] == turbo), None)
         if ref is None or tq is None:
             continue
-        ratio = tq["tokens_per_s"] / ref["tokens_per_s"]
+        ratio = paired_ratio(ref, tq)
         target = DECODE_TARGETS.get(context)
         static = next((r for r in rows if r["cache"].startswith(STATIC_LABEL) and r["variant"] == STATIC_VARIANT), None)
-        static_ratio = None if static is None else static["tokens_per_s"] / ref["tokens_per_s"]
+        static_ratio = None if static is None else paired_ratio(ref, static)
         out.append({"context": context, "reference": ref["variant"], "reference_tokens_per_s": ref["tokens_per_s"],
                     "turbo_tokens_per_s": tq["tokens_per_s"], "ratio": ratio, "target": target,
                     "pass": None if target is None else ratio >= target,
@@ -603,13 +690,17 @@ def markdown(data: dict) -> str:
     if "decode" in parts:
         s = parts["decode"]
         out += ["## Eager decode tokens/s, batch 1", "", _command_line(s), "",
-                f"`bench.kv_step.decode_ms`: one-shot prefill, {E2E_WARMUP} untimed steps, then the timed ones. Targets: "
+                f"Side by side (`interleaved_decode`): one one-shot prefill per cache, {E2E_WARMUP} untimed steps per "
+                "variant, then rounds in which every variant runs a few steps in turn (the order rotating); ms/step is a "
+                "variant's median round, and a ratio the median over rounds of the reference's ms/step over the "
+                "variant's in the same round. Targets: "
                 + ", ".join(f"≥ {v:g}× at {k}" for k, v in DECODE_TARGETS.items())
                 + " (TurboQuantCache, and StaticTurboQuantCache's eager steps, / the faster DynamicCache).", "",
-                "| cache | variant | context | tokens/s | ms/step | cache GiB |", "|---|---|---|---|---|---|"]
-        out += [f"| {r['cache']} | {r['variant']} | {r['context']} | skipped ({r['skipped']}) |  |  |" if "skipped" in r else
+                "| cache | variant | context | tokens/s | ms/step (median round) | rounds: fastest – slowest ms | cache GiB |",
+                "|---|---|---|---|---|---|---|"]
+        out += [f"| {r['cache']} | {r['variant']} | {r['context']} | skipped ({r['skipped']}) |  |  |  |" if "skipped" in r else
                 f"| {r['cache']} | {r['variant']} | {r['context']} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | "
-                f"{_gib(r['cache_bytes'])} |" for r in s["rows"]]
+                f"{min(r['round_ms']):.2f} – {max(r['round_ms']):.2f} | {_gib(r['cache_bytes'])} |" for r in s["rows"]]
         out += ["", "| context | reference (DynamicCache) | its tokens/s | TurboQuantCache tokens/s | ratio | target | pass | "
                 "StaticTurboQuantCache (eager) tokens/s | its ratio | its pass |", "|---|---|---|---|---|---|---|---|---|---|"]
         out += [f"| {c['context']} | {c['reference']} | {c['reference_tokens_per_s']:.1f} | {c['turbo_tokens_per_s']:.1f} | "

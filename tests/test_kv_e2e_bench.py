@@ -37,6 +37,8 @@ def test_tiny_cpu_run_writes_reports_and_keeps_parts(tmp_path: Path) -> None:
     assert speed["ratio"] > 0 and speed["target"] is None and speed["static_ratio"] > 0
     assert [r["cache"] for r in parts["decode"]["rows"]] == ["DynamicCache + sdpa", "TurboQuantCache 4b + tqvec",
                                                              "StaticTurboQuantCache 4b + tqvec"]
+    assert all(len(r["round_ms"]) == kv_e2e.DECODE_ROUNDS and min(r["round_ms"]) <= r["ms_per_step"] <= max(r["round_ms"])
+               for r in parts["decode"]["rows"])
     assert "needs CUDA" in parts["budget"]["skipped"] and "needs CUDA" in parts["batch"]["skipped"]
     md = (tmp_path / "kv_e2e.md").read_text()
     for heading in ("## Peak memory", "## Eager decode", "## Longest prompt", "## Largest batch"):
@@ -45,6 +47,15 @@ def test_tiny_cpu_run_writes_reports_and_keeps_parts(tmp_path: Path) -> None:
     kv_e2e.main([*common, "--parts", "decode"])  # a later invocation replaces its own part and keeps the others
     again = json.loads((tmp_path / "kv_e2e.json").read_text())["parts"]
     assert again["peak"] == parts["peak"] and "--parts decode" in again["decode"]["command"]
+
+
+def test_decode_ratios_pair_the_rounds() -> None:
+    """A ratio compares rounds run side by side, not each variant's median: a host that slowed the reference in two
+    rounds of three and the other cache in one does not make the other cache 2.5x faster."""
+    rows = [{"cache": "dyn", "variant": "a", "context": 32768, "round_ms": [10.0, 30.0, 30.0], "tokens_per_s": 1000 / 30},
+            {"cache": "tq", "variant": "b", "context": 32768, "round_ms": [12.0, 12.0, 33.0], "tokens_per_s": 1000 / 12}]
+    (check,) = kv_e2e.decode_checks({"rows": rows}, "dyn", "tq")
+    assert check["ratio"] == pytest.approx(30 / 33) and check["pass"] is False and check["static_ratio"] is None
 
 
 def _bench() -> kv_e2e.Bench:
