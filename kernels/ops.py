@@ -275,25 +275,36 @@ def tile_config(nq: int, layout: Layout, exact: bool = False, n: int = 0) -> Til
     :data:`INT8_NARROW_DIM` channels; over one 4-bit segment between :data:`INT8_FUSED_MIN_QUERIES` and
     :data:`INT8_FUSED_MAX_QUERIES` queries, exclusive, decoding in registers).
     """
+    return _tile_config(nq, layout, exact, n > MANY_ROWS, settings(), interpreting())
+
+
+#: rows beyond which the single-query CUDA-core stage 1 takes more tiles per program
+MANY_ROWS = 1 << 21
+
+
+@functools.lru_cache(maxsize=256)
+def _tile_config(nq: int, layout: Layout, exact: bool, many_rows: bool, now: SearchSettings,
+                 interpret: bool) -> TileConfig:
+    """:func:`tile_config` (cached: a search's host time before its graph replays is part of its latency)."""
     widest = max(d for d, _ in layout.segments)
     four_bit = {b for d, b in layout.segments if d and b} == {4}
-    if not exact and nq == 1 and _dp4a_layout(layout) and settings().matvec_dp4a:
-        if interpreting():
+    if not exact and nq == 1 and _dp4a_layout(layout) and now.matvec_dp4a:
+        if interpret:
             return TileConfig(1, 16, 4, tiles=2, dp4a=True)
         if widest // CHANNELS_PER_WORD >= DP4A_WIDE_WORDS:
             return TileConfig(1, 32, 32, tiles=16, dp4a=True)
         return TileConfig(1, 64, min(16, pow2(widest // CHANNELS_PER_WORD)), tiles=4, dp4a=True)
-    permutes = settings().matvec_permutes and len(layout.segments) == 1
+    permutes = now.matvec_permutes and len(layout.segments) == 1
     if not exact and nq == 1 and four_bit and widest <= (MATVEC_PERMUTES_MAX_DIM if permutes else MATVEC_MAX_DIM):
-        if interpreting():
+        if interpret:
             return TileConfig(1, 16, 8, tiles=2, matvec=True)
         if permutes:  # 4 KiB of codes per step (16 bytes per thread measured 1.3-2x slower), H200 1M and 10M rows
-            return TileConfig(1, 64, 64, tiles=64 if n > 1 << 21 else 16, matvec=True)
-        return TileConfig(1, 32, 64, tiles=128 if n > 1 << 21 else 32, matvec=True)
-    fusable = not exact and one_4bit_segment(layout) and settings().int8_fused
+            return TileConfig(1, 64, 64, tiles=64 if many_rows else 16, matvec=True)
+        return TileConfig(1, 32, 64, tiles=128 if many_rows else 32, matvec=True)
+    fusable = not exact and one_4bit_segment(layout) and now.int8_fused
     int8 = not exact and (nq >= (INT8_MIN_QUERIES_NARROW if layout.dim <= INT8_NARROW_DIM else INT8_MIN_QUERIES)
                           or (fusable and INT8_FUSED_MIN_QUERIES < nq < INT8_FUSED_MAX_QUERIES))
-    if interpreting():
+    if interpret:
         return TileConfig(block_q=16, block_n=32, block_d=_pow2_clamp(widest, MIN_BLOCK_D, 32), int8=int8)
     block_q = _pow2_clamp(nq, 16, 128)
     if nq <= 16:
@@ -702,12 +713,19 @@ def _graph_key(
     q: torch.Tensor, p: torch.Tensor | None, block: CodeBlock, table: CodeTable, k: int, cfg: TileConfig,
     now: SearchSettings,
 ) -> tuple:
-    tensors = (block.packed, block.scale, block.bias, block.signs, block.sign_scale, table.levels)
-    described = tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors)
+    described = block.cache.get("graph_key")
+    if described is None:  # a block's tensors stay for its life (frozen): described once
+        described = block.cache["graph_key"] = tuple(_described(t) for t in (
+            block.packed, block.scale, block.bias, block.signs, block.sign_scale))
     # the table by identity (the graph holds it): its look-up tables are read by address and its PTX decoders carry
     # its levels as immediates
     return (q.device, tuple(q.shape), None if p is None else tuple(p.shape), k, cfg, table.layout, now,
-            id(table)) + described
+            id(table), _described(table.levels)) + described
+
+
+def _described(t: torch.Tensor | None) -> tuple | None:
+    """What a graph that reads ``t`` depends on: address, shape, strides, dtype."""
+    return None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
 
 def _pad(values: torch.Tensor, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,8 +78,9 @@ class CodeBlock:
     bias: torch.Tensor | None = None  # (n,) float32, added to every score
     signs: torch.Tensor | None = None  # (n, ceil(D / 8)) uint8 QJL sign bits
     sign_scale: torch.Tensor | None = None  # (n,) float32
-    #: what the native kernel reads, built once per block: all rows ("rows") or one list grouping ("lists":
-    #: (lists, rows)), with their fast-scan layout; two threads may both build one, and either result is kept
+    #: derived once per block: what the native kernel reads (all rows, "rows", or one list grouping, "lists":
+    #: (lists, rows), with their fast-scan layout) and what a GPU search graph's key records of the tensors
+    #: ("graph_key"); two threads may both build one, and either result is kept
     cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __len__(self) -> int:
