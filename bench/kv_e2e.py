@@ -13,7 +13,7 @@ DynamicCache runs with transformers' ``sdpa`` attention, TurboQuantCache (``--bi
   bytes held.
 * ``decode``: eager greedy decode tokens/s per context, all variants side by side (:func:`interleaved_decode`: one
   one-shot prefill per cache, ``E2E_WARMUP`` untimed steps per variant, then ``--new-tokens`` timed steps per variant
-  in ``DECODE_ROUNDS`` rounds in which the variants take turns, so that the host's slow stretches hit all alike):
+  in rounds of ``DECODE_ROUND_STEPS`` in which the variants take turns, so that the host's slow stretches hit all alike):
   DynamicCache with PyTorch's default SDPA backend and with cuDNN's off (the faster is the reference),
   TurboQuantCache, and at integer ``--bits`` StaticTurboQuantCache with eager steps, which replay its step graphs
   (:mod:`tqvec.kv.step_graphs`), and with those graphs off. Ratios are medians over rounds of same-round ratios.
@@ -75,8 +75,9 @@ STATIC_LABEL = "StaticTurboQuantCache"
 STATIC_VARIANT = "tqvec attention, eager steps"
 #: decode speed targets, TurboQuantCache / the faster DynamicCache, by context (other contexts have none)
 DECODE_TARGETS = {32768: 1.0, 131072: 1.3}
-#: rounds the decode part's timed steps are split into (the variants take turns within each round)
-DECODE_ROUNDS = 16
+#: steps each variant runs per round of the decode part (the variants take turns within a round): TurboQuantCache's
+#: default ``compress_chunk``, so that every round of it holds one compression of its window, as its steps on average do
+DECODE_ROUND_STEPS = 16
 #: longest prompt and largest batch in the budget: TurboQuantCache ≥ this × DynamicCache
 SIZE_TARGET = 3.0
 #: decode tokens/s at the largest batch each cache completes in the budget: TurboQuantCache ≥ this × DynamicCache
@@ -342,7 +343,8 @@ def interleaved_decode(model: LlamaForCausalLM, variants: list[DecodeVariant], i
     One cache per distinct kind (variants of a kind share it and continue its sequence) is filled by a one-shot prefill
     of ``ids`` ``(1, context)``; every variant then runs ``warmup`` untimed steps (kernel compilation, graph recording,
     the first compression); then ``rounds`` rounds each run ``steps`` steps of every variant, synchronized around each
-    variant's steps, the order rotating by one variant per round, so that a slow stretch of the host hits all alike.
+    variant's steps, the order rotating by one variant per round and reversed in every other round (so that no variant
+    always follows the same one), so that a slow stretch of the host hits all alike.
 
     Returns ``(times, caches)``: ``times[i][r]`` ms/step of ``variants[i]`` in round ``r``; the caches by kind name.
     """
@@ -363,7 +365,8 @@ def interleaved_decode(model: LlamaForCausalLM, variants: list[DecodeVariant], i
                 for _ in range(warmup):
                     tokens[name] = _greedy_step(model, caches[name], tokens[name])
         for r in range(rounds):
-            for i in [(r + j) % len(variants) for j in range(len(variants))]:
+            order = [(r + j) % len(variants) for j in range(len(variants))]
+            for i in order if r % 2 == 0 else order[::-1]:
                 v, name = variants[i], variants[i].kind.name
                 with v.active(model):
                     sync()
@@ -399,11 +402,11 @@ def decode_variants(bench: Bench, context: int, bits: float, rounds: int, steps:
 
 def decode_part(bench: Bench, contexts: list[int], section: dict, bits: float) -> None:
     """Eager decode per context, every variant of :func:`decode_variants` measured side by side by
-    :func:`interleaved_decode` (``E2E_WARMUP`` untimed steps each, then ``--new-tokens`` timed steps each, in up to
-    ``DECODE_ROUNDS`` rounds). A row's ``ms_per_step`` is its median round, ``round_ms`` all rounds. Rows into
-    ``section["rows"]``."""
-    rounds = min(DECODE_ROUNDS, bench.new_tokens)
-    steps = bench.new_tokens // rounds
+    :func:`interleaved_decode` (``E2E_WARMUP`` untimed steps each, then ``--new-tokens`` rounded down to whole rounds of
+    ``DECODE_ROUND_STEPS``, at least one round, timed steps each: ``timed_steps``). A row's ``ms_per_step`` is its
+    median round, ``round_ms`` all rounds. Rows into ``section["rows"]``."""
+    rounds = max(1, bench.new_tokens // DECODE_ROUND_STEPS)
+    steps = DECODE_ROUND_STEPS
     device = bench.model.device
     for context in contexts:
         variants = decode_variants(bench, context, bits, rounds, steps)
@@ -418,7 +421,7 @@ def decode_part(bench: Bench, contexts: list[int], section: dict, bits: float) -
             times, caches = interleaved_decode(bench.model, variants, ids, rounds, steps, E2E_WARMUP)
             for row, v, ms in zip(rows, variants, times):
                 median = statistics.median(ms)
-                row.update(ms_per_step=median, tokens_per_s=1000 / median, round_ms=ms,
+                row.update(ms_per_step=median, tokens_per_s=1000 / median, timed_steps=rounds * steps, round_ms=ms,
                            cache_bytes=cache_nbytes(caches[v.kind.name]))
             del caches
         for row in rows:
@@ -523,6 +526,12 @@ def _gib(x: float | None) -> str:
 
 def _num(x: float | None, digits: int = 1) -> str:
     return "—" if x is None else f"{x:.{digits}f}"
+
+
+def _round_range(row: dict) -> str:
+    """A decode row's fastest and slowest round (rows of runs before the rounds: none)."""
+    rounds = row.get("round_ms")
+    return f"{min(rounds):.2f} – {max(rounds):.2f}" if rounds else "—"
 
 
 def _target(x: float | None) -> str:
@@ -691,7 +700,8 @@ def markdown(data: dict) -> str:
         s = parts["decode"]
         out += ["## Eager decode tokens/s, batch 1", "", _command_line(s), "",
                 f"Side by side (`interleaved_decode`): one one-shot prefill per cache, {E2E_WARMUP} untimed steps per "
-                "variant, then rounds in which every variant runs a few steps in turn (the order rotating); ms/step is a "
+                f"variant, then rounds in which every variant runs {DECODE_ROUND_STEPS} steps in turn (the order rotating, "
+                "reversed every other round); ms/step is a "
                 "variant's median round, and a ratio the median over rounds of the reference's ms/step over the "
                 "variant's in the same round. Targets: "
                 + ", ".join(f"≥ {v:g}× at {k}" for k, v in DECODE_TARGETS.items())
@@ -700,7 +710,7 @@ def markdown(data: dict) -> str:
                 "|---|---|---|---|---|---|---|"]
         out += [f"| {r['cache']} | {r['variant']} | {r['context']} | skipped ({r['skipped']}) |  |  |  |" if "skipped" in r else
                 f"| {r['cache']} | {r['variant']} | {r['context']} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | "
-                f"{min(r['round_ms']):.2f} – {max(r['round_ms']):.2f} | {_gib(r['cache_bytes'])} |" for r in s["rows"]]
+                f"{_round_range(r)} | {_gib(r['cache_bytes'])} |" for r in s["rows"]]
         out += ["", "| context | reference (DynamicCache) | its tokens/s | TurboQuantCache tokens/s | ratio | target | pass | "
                 "StaticTurboQuantCache (eager) tokens/s | its ratio | its pass |", "|---|---|---|---|---|---|---|---|---|---|"]
         out += [f"| {c['context']} | {c['reference']} | {c['reference_tokens_per_s']:.1f} | {c['turbo_tokens_per_s']:.1f} | "
@@ -826,7 +836,8 @@ def main(argv: list[str] | None = None) -> None:
     common = {"bits": args.bits, "new tokens": args.new_tokens, "prefill chunk": args.prefill_chunk or "none"}
     budget = {"budget GiB": budget_bytes / GIB, "max run s": args.max_run_s}
     settings = {"peak": {**common, "contexts": contexts},
-                "decode": {"bits": args.bits, "timed tokens": args.new_tokens, "warm-up": E2E_WARMUP, "contexts": contexts},
+                "decode": {"bits": args.bits, "timed tokens": max(1, args.new_tokens // DECODE_ROUND_STEPS) * DECODE_ROUND_STEPS,
+                           "warm-up": E2E_WARMUP, "contexts": contexts},
                 "budget": {**common, **budget, "step": step},
                 "batch": {**common, **budget, "step": 1, "context": batch_context}}
     for name in parts:

@@ -54,15 +54,15 @@ def capture_graph(fn: Callable[[], T], device: torch.device | None = None) -> tu
 
 @dataclass
 class _Entry:
-    """A captured call: static inputs, the graph, static outputs, and an event marking the outputs copied out on the
-    stream ``copied_on`` (its handle; None before the first replay)."""
+    """A captured call: static inputs, the graph, static outputs, and an event marking the outputs copied out, on the
+    stream and by the thread ``copied_on`` (stream handle, thread id; None before the first replay)."""
 
     graph: torch.cuda.CUDAGraph
     inputs: Tensors
     outputs: Tensors
     copied_out: torch.cuda.Event
     keep: object = None  # what the graph reads through (see GraphCache.run), alive as long as the entry
-    copied_on: int | None = None
+    copied_on: tuple[int, int] | None = None
 
 
 _FIRST_CALL = object()
@@ -124,14 +124,17 @@ class GraphCache:
     def _replay(entry: _Entry, inputs: Sequence[torch.Tensor]) -> Tensors:
         """Copy ``inputs`` in, replay, return clones of the outputs (under the cache's lock)."""
         stream = torch.cuda.current_stream(inputs[0].device)
-        if stream.cuda_stream != entry.copied_on:  # on one stream the copy-in already follows the last copy-out
+        # on the stream of the last copy-out the copy-in already follows it (the thread too: a per-thread default
+        # stream has one handle in every thread)
+        on = (stream.cuda_stream, threading.get_ident())
+        if on != entry.copied_on:
             stream.wait_event(entry.copied_out)
         for static, new in zip(entry.inputs, inputs):
             static.copy_(new)
         entry.graph.replay()
         outputs = tuple(out.clone() for out in entry.outputs)
         entry.copied_out.record(stream)
-        entry.copied_on = stream.cuda_stream
+        entry.copied_on = on
         return outputs
 
     @staticmethod

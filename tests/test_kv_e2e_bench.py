@@ -37,8 +37,8 @@ def test_tiny_cpu_run_writes_reports_and_keeps_parts(tmp_path: Path) -> None:
     assert speed["ratio"] > 0 and speed["target"] is None and speed["static_ratio"] > 0
     assert [r["cache"] for r in parts["decode"]["rows"]] == ["DynamicCache + sdpa", "TurboQuantCache 4b + tqvec",
                                                              "StaticTurboQuantCache 4b + tqvec"]
-    assert all(len(r["round_ms"]) == kv_e2e.DECODE_ROUNDS and min(r["round_ms"]) <= r["ms_per_step"] <= max(r["round_ms"])
-               for r in parts["decode"]["rows"])
+    assert all(r["timed_steps"] == kv_e2e.DECODE_ROUND_STEPS and len(r["round_ms"]) == 1  # 22 tokens: one whole round
+               and r["ms_per_step"] == r["round_ms"][0] for r in parts["decode"]["rows"])
     assert "needs CUDA" in parts["budget"]["skipped"] and "needs CUDA" in parts["batch"]["skipped"]
     md = (tmp_path / "kv_e2e.md").read_text()
     for heading in ("## Peak memory", "## Eager decode", "## Longest prompt", "## Largest batch"):
@@ -56,6 +56,22 @@ def test_decode_ratios_pair_the_rounds() -> None:
             {"cache": "tq", "variant": "b", "context": 32768, "round_ms": [12.0, 12.0, 33.0], "tokens_per_s": 1000 / 12}]
     (check,) = kv_e2e.decode_checks({"rows": rows}, "dyn", "tq")
     assert check["ratio"] == pytest.approx(30 / 33) and check["pass"] is False and check["static_ratio"] is None
+
+
+def test_decode_variants_size_the_shared_static_cache_for_every_step() -> None:
+    """On CUDA the static cache's two variants (step graphs on and off) share one cache: it must hold the prompt and
+    both variants' warm-up and timed steps."""
+    cfg = kv_e2e.llama_config(2, tiny=True)
+    model = SimpleNamespace(device=torch.device("cuda"), config=cfg)
+    kinds = kv_e2e.cache_kinds(cfg, 4)
+    bench = kv_e2e.Bench(model=model, kinds=kinds, new_tokens=64, chunk=0, deadline=kv_e2e.Deadline(1e9), save=lambda: None)
+    variants = kv_e2e.decode_variants(bench, 1000, 4, rounds=4, steps=16)
+    assert [v.label for v in variants] == ["default SDPA backend", "cuDNN SDPA off", "tqvec attention",
+                                           kv_e2e.STATIC_VARIANT, kv_e2e.STATIC_VARIANT + ", step graphs off"]
+    static = [v for v in variants if v.kind.name.startswith(kv_e2e.STATIC_LABEL)]
+    assert len({v.kind for v in static}) == 1 and [v.graphs for v in static] == [True, False]
+    max_len = static[0].kind.make.args[1]
+    assert max_len > 1000 + 2 * (kv_e2e.E2E_WARMUP + 4 * 16)
 
 
 def _bench() -> kv_e2e.Bench:
