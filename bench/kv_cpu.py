@@ -36,6 +36,7 @@ from tqvec.kv import evaluate as ev
 from tqvec.kv.cache import CodedCache
 
 from ._memory import reset_peak, status_kib
+from .kv_step import greedy_token
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MiB = 1 << 20
@@ -200,10 +201,10 @@ def memory_markdown(args, rows: dict, command: str, extra: str = "") -> str:
 @torch.no_grad()
 def _decode_rate(model, ids: torch.Tensor, make: Callable[[], Cache], new_tokens: int) -> float:
     cache = make()
-    token = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+    token = greedy_token(model, cache, ids, use_cache=True, logits_to_keep=1)
     start = time.perf_counter()
     for _ in range(new_tokens):
-        token = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        token = greedy_token(model, cache, token, use_cache=True)
     return new_tokens / (time.perf_counter() - start)
 
 

@@ -65,6 +65,7 @@ from tqvec.kv import StaticTurboQuantCache, TurboQuantCache, step_graphs
 
 from .kv_cpu import cache_nbytes
 from .kv_gpu import E2E_WARMUP, HKV, HQ, RESULTS, D
+from .kv_step import greedy_token
 
 PARTS = ("peak", "decode", "budget", "batch")
 #: TurboQuantCache's generate() peak must stay at or under DynamicCache's minus this fraction of its K/V bytes
@@ -332,10 +333,6 @@ class DecodeVariant:
             yield
 
 
-def _greedy_step(model: LlamaForCausalLM, cache: Cache, token: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=token, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
-
-
 def interleaved_decode(model: LlamaForCausalLM, variants: list[DecodeVariant], ids: torch.Tensor, rounds: int, steps: int,
                        warmup: int) -> tuple[list[list[float]], dict[str, Cache]]:
     """Milliseconds per greedy step of each variant in each round, measured side by side.
@@ -361,9 +358,9 @@ def interleaved_decode(model: LlamaForCausalLM, variants: list[DecodeVariant], i
             with v.active(model):
                 if name not in caches:
                     caches[name] = cache = v.kind.make()
-                    tokens[name] = model(input_ids=ids, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+                    tokens[name] = greedy_token(model, cache, ids, logits_to_keep=1)
                 for _ in range(warmup):
-                    tokens[name] = _greedy_step(model, caches[name], tokens[name])
+                    tokens[name] = greedy_token(model, caches[name], tokens[name])
         for r in range(rounds):
             order = [(r + j) % len(variants) for j in range(len(variants))]
             for i in order if r % 2 == 0 else order[::-1]:
@@ -372,7 +369,7 @@ def interleaved_decode(model: LlamaForCausalLM, variants: list[DecodeVariant], i
                     sync()
                     start = time.perf_counter()
                     for _ in range(steps):
-                        tokens[name] = _greedy_step(model, caches[name], tokens[name])
+                        tokens[name] = greedy_token(model, caches[name], tokens[name])
                     sync()
                 times[i].append((time.perf_counter() - start) / steps * 1000)
     return times, caches
@@ -400,13 +397,17 @@ def decode_variants(bench: Bench, context: int, bits: float, rounds: int, steps:
     return out
 
 
+def decode_rounds(new_tokens: int) -> int:
+    """Rounds of ``DECODE_ROUND_STEPS`` steps the decode part times per variant for ``--new-tokens`` (at least one)."""
+    return max(1, new_tokens // DECODE_ROUND_STEPS)
+
+
 def decode_part(bench: Bench, contexts: list[int], section: dict, bits: float) -> None:
     """Eager decode per context, every variant of :func:`decode_variants` measured side by side by
     :func:`interleaved_decode` (``E2E_WARMUP`` untimed steps each, then ``--new-tokens`` rounded down to whole rounds of
     ``DECODE_ROUND_STEPS``, at least one round, timed steps each: ``timed_steps``). A row's ``ms_per_step`` is its
     median round, ``round_ms`` all rounds. Rows into ``section["rows"]``."""
-    rounds = max(1, bench.new_tokens // DECODE_ROUND_STEPS)
-    steps = DECODE_ROUND_STEPS
+    rounds, steps = decode_rounds(bench.new_tokens), DECODE_ROUND_STEPS
     device = bench.model.device
     for context in contexts:
         variants = decode_variants(bench, context, bits, rounds, steps)
@@ -836,7 +837,7 @@ def main(argv: list[str] | None = None) -> None:
     common = {"bits": args.bits, "new tokens": args.new_tokens, "prefill chunk": args.prefill_chunk or "none"}
     budget = {"budget GiB": budget_bytes / GIB, "max run s": args.max_run_s}
     settings = {"peak": {**common, "contexts": contexts},
-                "decode": {"bits": args.bits, "timed tokens": max(1, args.new_tokens // DECODE_ROUND_STEPS) * DECODE_ROUND_STEPS,
+                "decode": {"bits": args.bits, "timed tokens": decode_rounds(args.new_tokens) * DECODE_ROUND_STEPS,
                            "warm-up": E2E_WARMUP, "contexts": contexts},
                 "budget": {**common, **budget, "step": step},
                 "batch": {**common, **budget, "step": 1, "context": batch_context}}

@@ -35,6 +35,7 @@ from transformers import StaticCache
 from tqvec.kv import StaticTurboQuantCache
 
 from .kv_e2e import build_model, llama_config
+from .kv_step import greedy_token
 
 #: eager decode steps before the measured ones (kernel compilation, allocator warm-up, compiled-graph recording)
 WARMUP = 4
@@ -59,20 +60,20 @@ def measure(model, cache, context: int, batch: int, steps: int, mode: str) -> di
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device="cuda", generator=gen)
     forward = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False) if mode == "compile" else model
     with torch.no_grad():
-        token = model(input_ids=ids, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        token = greedy_token(model, cache, ids, logits_to_keep=1)
         del ids
         for _ in range(WARMUP):
-            token = forward(input_ids=token, cache=cache).logits[:, -1].argmax(-1, keepdim=True).clone()
+            token = greedy_token(forward, cache, token).clone()
         torch.cuda.synchronize()
         state = {"token": token}
         if mode == "graph":
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                token.copy_(model(input_ids=token, cache=cache).logits[:, -1].argmax(-1, keepdim=True))
+                token.copy_(greedy_token(model, cache, token))
             ms = _timed(graph.replay, steps)
         else:
             def run() -> None:
-                state["token"] = forward(input_ids=state["token"], cache=cache).logits[:, -1].argmax(-1, keepdim=True).clone()
+                state["token"] = greedy_token(forward, cache, state["token"]).clone()
             ms = _timed(run, steps)
     return {"ms_per_step": ms, "tokens_per_s": batch * 1000 / ms, "cached_tokens": int(cache.get_seq_length())}
 

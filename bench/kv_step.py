@@ -13,7 +13,9 @@ import json
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
@@ -21,6 +23,12 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from tqvec.kv import TurboQuantCache
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def greedy_token(forward: Callable[..., Any], cache, ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """The greedy next token ``(b, 1)`` of ``forward`` (a causal LM, or a compiled one) after ``ids`` ``(b, t)`` over
+    ``cache`` (``kwargs``: more arguments of the forward, as ``logits_to_keep=1`` for a prefill)."""
+    return forward(input_ids=ids, cache=cache, **kwargs).logits[:, -1].argmax(-1, keepdim=True)
 
 
 def decode_ms(model, cache, ids: torch.Tensor, tokens: int, warmup: int = 2) -> float:
@@ -31,13 +39,13 @@ def decode_ms(model, cache, ids: torch.Tensor, tokens: int, warmup: int = 2) -> 
             torch.cuda.synchronize()
 
     with torch.no_grad():
-        token = model(input_ids=ids, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        token = greedy_token(model, cache, ids, logits_to_keep=1)
         for _ in range(warmup):
-            token = model(input_ids=token, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+            token = greedy_token(model, cache, token)
         sync()
         start = time.perf_counter()
         for _ in range(tokens):
-            token = model(input_ids=token, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+            token = greedy_token(model, cache, token)
         sync()
     return (time.perf_counter() - start) / tokens * 1000
 
