@@ -145,24 +145,27 @@ class StaticTurboQuantLayer(CacheLayerMixin):
         self.buffer_token = object()
         self.fused = FUSED_APPEND and self.device.type == "cuda" and _fused_append_serves(self.key_codec,
                                                                                           self.value_codec)
-        self.op_key = static_ops.register(self)
         if self.device.type == "cuda":
             from .attention import prepare_static_step  # noqa: PLC0415 - attention imports this module
 
             prepare_static_step(self)
-        if not torch.compiler.is_compiling():  # fixed addresses: cudagraphs under torch.compile copy no buffer
+        self._register_buffers()
+        self.is_initialized = True
+
+    def _register_buffers(self) -> None:
+        """Register the layer's buffers for the compiled step's operators (``op_key``) and mark their addresses static
+        (fixed addresses: cudagraphs under ``torch.compile`` copy no buffer)."""
+        self.op_key = static_ops.register(self)
+        if not torch.compiler.is_compiling():
             for t in self.buffers():
                 torch._dynamo.mark_static_address(t)
-        self.is_initialized = True
 
     def __deepcopy__(self, memo: dict) -> "StaticTurboQuantLayer":
         """A copy with its own buffers (and no recorded step graphs) that shares the codecs, as layers of one
         specification do, and is registered for the compiled step's operators under the same key."""
         twin = _copy_sharing_codecs(self, memo, (self.key_codec, self.value_codec))
         if twin.is_initialized:
-            twin.op_key = static_ops.register(twin)
-            for t in twin.buffers():  # fixed addresses, as the original's (lazy_initialization)
-                torch._dynamo.mark_static_address(t)
+            twin._register_buffers()
         return twin
 
     def spec(self) -> tuple:
