@@ -21,28 +21,16 @@ from tqvec.kv import StaticTurboQuantCache, static_ops, step_graphs  # noqa: E40
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 
 
-@pytest.fixture
-def graphs_off():
-    """Switch the step graphs off for one test's reference run (restored after)."""
-    before = step_graphs.ENABLED
-
-    def switch(enabled: bool) -> None:
-        step_graphs.ENABLED = enabled
-
-    yield switch
-    step_graphs.ENABLED = before
-
-
 def _cache(model, max_cache_len: int = 96) -> StaticTurboQuantCache:
     return StaticTurboQuantCache(model.config, max_cache_len, window=9, sinks=2)
 
 
-def test_steps_replay_only_eagerly_on_cuda(graphs_off) -> None:
+def test_steps_replay_only_eagerly_on_cuda(monkeypatch) -> None:
     assert not step_graphs.replayable(torch.zeros(1))
     if torch.cuda.is_available():
         x = torch.zeros(1, device="cuda")
         assert step_graphs.replayable(x)
-        graphs_off(False)
+        monkeypatch.setattr(step_graphs, "ENABLED", False)
         assert not step_graphs.replayable(x)
 
 
@@ -94,7 +82,7 @@ def test_run_records_once_replays_and_returns_copies() -> None:
 
 @cuda
 @pytest.mark.parametrize("pads", [0, 7])
-def test_graphed_steps_equal_launched_steps(graphs_off, pads) -> None:
+def test_graphed_steps_equal_launched_steps(monkeypatch, pads) -> None:
     """Forty one-token steps (the ring evicts into the codes on each) through recorded graphs give the launched steps'
     logits exactly; with a left-padded row the mask is a graph input too; generate() agrees as well."""
     model = tiny_llama().cuda()
@@ -116,7 +104,7 @@ def test_graphed_steps_equal_launched_steps(graphs_off, pads) -> None:
         return torch.stack(logits), [(layer.graphs.slots, layer.graphs.recordings) for layer in cache.layers], tokens
 
     graphed, slots, tokens = steps()
-    graphs_off(False)
+    monkeypatch.setattr(step_graphs, "ENABLED", False)
     launched, none, reference_tokens = steps()
     assert slots == [(("write", "attend"), 2)] * 2 and none == [((), 0)] * 2  # recorded once, replayed 39 times
     assert torch.equal(graphed, launched)
