@@ -147,13 +147,15 @@ def dp4a_group_max_kernel(
 
 
 @triton.jit
-def int8_queries_kernel(q_ptr, q8_ptr, qfac_ptr, stride_q, stride_q8, D: tl.constexpr, CHANNELS: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    """One query per program: ``qfac = 127 / max(max|q|, 1e-30)`` and ``q8[:CHANNELS]`` = ``⌊q · qfac + 1/2⌋`` as int8
-    (zero past the ``D`` channels of ``q``)."""
+def int8_queries_kernel(q_ptr, q8_ptr, qfac_ptr, abs_sum_ptr, stride_q, stride_q8, D: tl.constexpr,
+                        CHANNELS: tl.constexpr, BLOCK: tl.constexpr):
+    """One query per program: ``qfac = 127 / max(max|q|, 1e-30)``, ``q8[:CHANNELS]`` = ``⌊q · qfac + 1/2⌋`` as int8
+    (zero past the ``D`` channels of ``q``) and ``abs_sum`` = ``Σ|q8|`` as int32 (what bounds the query's products)."""
     row = tl.program_id(0).to(tl.int64)
     channel = tl.arange(0, BLOCK)
     q = tl.load(q_ptr + row * stride_q + channel, mask=channel < D, other=0.0)
     qfac = 127.0 / tl.maximum(tl.max(tl.abs(q), axis=0), 1e-30)
-    tl.store(q8_ptr + row * stride_q8 + channel, tl.floor(q * qfac + 0.5).to(tl.int8), mask=channel < CHANNELS)
+    q8 = tl.floor(q * qfac + 0.5).to(tl.int8)
+    tl.store(q8_ptr + row * stride_q8 + channel, q8, mask=channel < CHANNELS)
     tl.store(qfac_ptr + row, qfac)
+    tl.store(abs_sum_ptr + row, tl.sum(tl.abs(q8.to(tl.int32)), axis=0))

@@ -12,6 +12,13 @@ q · 127 / max|q|), multiplied with int32 accumulation:
   ranks its groups by their bias), as :func:`~.scan_kernel.tile_kernel` does with ``GROUP_MAX`` up to the two 8-bit
   roundings.
 
+The products become floats without the int32-to-float conversion instruction (a quarter of the float32 rate on the
+H200's multiprocessors, and one per query and row): the accumulator starts at :data:`ACC_BIAS`, the bits of the
+float32 1.5 · 2^23, so while a product Σ stays within ±2^22 the accumulator's bits read as the float 1.5 · 2^23 + Σ
+exactly and one subtraction gives Σ. A query tile takes that path when every query's ``Σ|q8|`` is at most
+:data:`FAST_CONVERSION_MAX_ABS_SUM` (the levels are at most 127 in magnitude, so ``|Σ| ≤ 127 · Σ|q8| < 2^22``); else
+the accumulator less the bias is converted. Both give the same floats.
+
 Segments are passed as constexprs as in :mod:`.scan_kernel`.
 """
 from __future__ import annotations
@@ -20,6 +27,13 @@ import triton
 import triton.language as tl
 
 from .unpack import segment_values
+
+#: the accumulator's start, int32 bits of the float32 1.5 · 2^23 (module docstring) ...
+ACC_BIAS = tl.constexpr(0x4B400000)
+#: ... that float
+ACC_BIAS_FLOAT = tl.constexpr(12582912.0)
+#: the largest ``Σ|q8|`` of a query whose products convert by subtraction: 127 · Σ|q8| < 2^22
+FAST_CONVERSION_MAX_ABS_SUM = (1 << 22) // 127
 
 
 @triton.jit
@@ -70,22 +84,52 @@ def _tile_of(pid, nq, n, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_Q: 
 
 
 @triton.jit
-def _store_group_maxima(acc, offs_q, q_mask, rows, row_mask, row_tile, scale_ptr, bias_ptr, qfac_ptr, unit_ptr,
+def _products(acc, offs_q, q_mask, abs_sum_ptr, FAST_MAX_ABS_SUM: tl.constexpr):
+    """The int32 products ``acc`` ``(BLOCK_Q, BLOCK_N)`` (started at :data:`ACC_BIAS`) as float32: by one subtraction
+    where every query of the tile has ``Σ|q8| ≤ FAST_MAX_ABS_SUM`` (``abs_sum_ptr``), else converted."""
+    largest = tl.max(tl.load(abs_sum_ptr + offs_q, mask=q_mask, other=0), axis=0)
+    if largest <= FAST_MAX_ABS_SUM:
+        products = acc.to(tl.float32, bitcast=True) - ACC_BIAS_FLOAT
+    else:
+        products = (acc - ACC_BIAS).to(tl.float32)
+    return products
+
+
+@triton.jit
+def _group_best(scores, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_N: tl.constexpr):
+    """Each query's best of ``scores`` ``(BLOCK_Q, BLOCK_N)`` per group of ``GROUP_N`` rows: ``(BLOCK_Q,)`` where the
+    tile is one group, else ``(BLOCK_Q, BLOCK_N // GROUP_N)``."""
+    if GROUP_N == BLOCK_N:
+        return tl.max(scores, axis=1)
+    else:
+        return tl.max(tl.reshape(scores, (BLOCK_Q, BLOCK_N // GROUP_N, GROUP_N)), axis=2)
+
+
+@triton.jit
+def _store_group_maxima(products, offs_q, q_mask, rows, row_mask, row_tile, scale_ptr, bias_ptr, qfac_ptr, unit_ptr,
                         out_ptr, stride_out, group0, n, HAS_BIAS: tl.constexpr, BLOCK_Q: tl.constexpr,
                         BLOCK_N: tl.constexpr, GROUP_N: tl.constexpr):
-    """Scale the int32 products ``acc`` ``(BLOCK_Q, BLOCK_N)`` to score estimates (``unit / qfac[q] · scale[i] · acc +
-    bias[i]``) and store each query's best per group of ``GROUP_N`` rows at ``out[q, group0 + group]``."""
+    """Scale the products ``(BLOCK_Q, BLOCK_N)`` float32 to score estimates (``unit / qfac[q] · scale[i] · product +
+    bias[i]``) and store each query's best per group of ``GROUP_N`` rows at ``out[q, group0 + group]``. Without bias
+    the positive per-query factor multiplies the maxima instead of every product (the order is the same); only the
+    last tile masks the rows past ``n``."""
     per_query = tl.load(unit_ptr) / tl.load(qfac_ptr + offs_q, mask=q_mask, other=1.0)
-    scores = acc.to(tl.float32) * per_query[:, None] * tl.load(scale_ptr + rows, mask=row_mask, other=0.0)[None, :]
+    scores = products * tl.load(scale_ptr + rows, mask=row_mask, other=0.0)[None, :]
     if HAS_BIAS:
-        scores += tl.load(bias_ptr + rows, mask=row_mask, other=0.0)[None, :]
-    scores = tl.where(row_mask[None, :], scores, float("-inf"))
+        scores = scores * per_query[:, None] + tl.load(bias_ptr + rows, mask=row_mask, other=0.0)[None, :]
+    if row_tile * BLOCK_N + BLOCK_N > n:
+        best = _group_best(tl.where(row_mask[None, :], scores, float("-inf")), BLOCK_Q, BLOCK_N, GROUP_N)
+    else:
+        best = _group_best(scores, BLOCK_Q, BLOCK_N, GROUP_N)
     out_ptrs = out_ptr + offs_q.to(tl.int64) * stride_out + group0
     if GROUP_N == BLOCK_N:
-        tl.store(out_ptrs + row_tile, tl.max(scores, axis=1), mask=q_mask)
+        if not HAS_BIAS:
+            best = best * per_query
+        tl.store(out_ptrs + row_tile, best, mask=q_mask)
     else:
         GROUPS: tl.constexpr = BLOCK_N // GROUP_N
-        best = tl.max(tl.reshape(scores, (BLOCK_Q, GROUPS, GROUP_N)), axis=2)
+        if not HAS_BIAS:
+            best = best * per_query[:, None]
         group = row_tile * GROUPS + tl.arange(0, GROUPS)
         tl.store(out_ptrs[:, None] + group[None, :], best, mask=q_mask[:, None] & (group * GROUP_N < n)[None, :])
 
@@ -109,14 +153,17 @@ def _code_tile_levels(row_ptrs, row_mask, k0, grid_ptr, NBYTES: tl.constexpr, BL
 
 @triton.jit
 def group_max_kernel(
-    q_ptr, rows_ptr, scale_ptr, bias_ptr, qfac_ptr, grid_ptr, out_ptr, unit_ptr,
+    q_ptr, rows_ptr, scale_ptr, bias_ptr, qfac_ptr, abs_sum_ptr, grid_ptr, out_ptr, unit_ptr,
     nq, n, group0, stride_q, stride_rows, stride_out,
     K_PAD: tl.constexpr, NBYTES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_Q: tl.constexpr, FUSED: tl.constexpr, ASM: tl.constexpr,
+    FAST_MAX_ABS_SUM: tl.constexpr,
 ):
     """``out[q, group0 + g]`` = max over rows ``i`` of group ``g`` (rows ``g · GROUP_N ..``) of
     ``unit / qfac[q] · scale[i] · ⟨q8, r8_i⟩ + bias[i]`` for the ``n`` rows and the queries ``q8`` ``(nq, K_PAD)``
-    int8, ``q8 ≈ qfac · q`` (``unit`` read from ``unit_ptr``: the grid's step in level units). A program computes a
+    int8, ``q8 ≈ qfac · q`` (``unit`` read from ``unit_ptr``: the grid's step in level units; ``abs_sum_ptr``: each
+    query's ``Σ|q8|``, see :func:`_products`, ``FAST_MAX_ABS_SUM`` normally :data:`FAST_CONVERSION_MAX_ABS_SUM`). A
+    program computes a
     tile of ``BLOCK_Q`` queries × ``BLOCK_N`` rows, ``BLOCK_N / GROUP_N`` groups; programs run ``GROUP_Q`` query tiles
     fastest within a band of row tiles (:func:`_tile_of`).
 
@@ -132,7 +179,7 @@ def group_max_kernel(
     channel = tl.arange(0, BLOCK_K)
     q_ptrs = q_ptr + offs_q.to(tl.int64)[:, None] * stride_q + channel[None, :]
     row_ptrs = rows_ptr + rows.to(tl.int64) * stride_rows
-    acc = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.int32)
+    acc = tl.full((BLOCK_Q, BLOCK_N), ACC_BIAS, dtype=tl.int32)
     for k0 in range(0, K_PAD, BLOCK_K):
         a = tl.load(q_ptrs + k0, mask=q_mask[:, None], other=0)
         if FUSED:
@@ -140,5 +187,6 @@ def group_max_kernel(
         else:
             b = tl.load(row_ptrs[:, None] + (k0 + channel)[None, :], mask=row_mask[:, None], other=0)
         acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
-    _store_group_maxima(acc, offs_q, q_mask, rows, row_mask, row_tile, scale_ptr, bias_ptr, qfac_ptr, unit_ptr, out_ptr,
-                        stride_out, group0, n, HAS_BIAS, BLOCK_Q, BLOCK_N, GROUP_N)
+    products = _products(acc, offs_q, q_mask, abs_sum_ptr, FAST_MAX_ABS_SUM)
+    _store_group_maxima(products, offs_q, q_mask, rows, row_mask, row_tile, scale_ptr, bias_ptr, qfac_ptr, unit_ptr,
+                        out_ptr, stride_out, group0, n, HAS_BIAS, BLOCK_Q, BLOCK_N, GROUP_N)

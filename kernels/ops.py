@@ -62,7 +62,7 @@ from . import topk as topk_kernels
 from .dp4a_stage import CHANNELS_PER_WORD, dp4a_asm, dp4a_group_max_kernel, int8_queries_kernel, nibble_levels_asm
 from .encode_kernel import encode_kernel
 from .graphs import GraphCache, capture_graph
-from .int8_stage import decode_kernel, group_max_kernel
+from .int8_stage import FAST_CONVERSION_MAX_ABS_SUM, decode_kernel, group_max_kernel
 from .launch import Launcher, cdiv, pow2
 from .scan_kernel import half_queries_kernel, matvec_kernel, refine_kernel, tile_kernel
 from .unpack import one_4bit_segment, table_nibble_pair_asm
@@ -524,16 +524,17 @@ def _int8_grid(table: CodeTable) -> tuple[torch.Tensor, torch.Tensor]:
     return table._luts[key], table._luts[key + ".unit"]
 
 
-def _int8_queries(q: torch.Tensor, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(nq, channels)`` int8 ``⌊q · qfac + 1/2⌋`` (zero past ``q``'s channels) and ``qfac = 127 / max|q|`` (one launch
-    of :func:`~.dp4a_stage.int8_queries_kernel`)."""
+def _int8_queries(q: torch.Tensor, channels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(nq, channels)`` int8 ``q8 = ⌊q · qfac + 1/2⌋`` (zero past ``q``'s channels), ``qfac = 127 / max|q|`` and
+    ``Σ|q8|`` int32 per query (one launch of :func:`~.dp4a_stage.int8_queries_kernel`)."""
     nq = q.shape[0]
     q8 = torch.empty(nq, channels, dtype=torch.int8, device=q.device)
     qfac = torch.empty(nq, dtype=torch.float32, device=q.device)
+    abs_sum = torch.empty(nq, dtype=torch.int32, device=q.device)
     if nq:
-        int8_queries_kernel[(nq,)](q, q8, qfac, q.stride(0), q8.stride(0), D=q.shape[1], CHANNELS=channels,
+        int8_queries_kernel[(nq,)](q, q8, qfac, abs_sum, q.stride(0), q8.stride(0), D=q.shape[1], CHANNELS=channels,
                                    BLOCK=pow2(channels), num_warps=4)
-    return q8, qfac
+    return q8, qfac, abs_sum
 
 
 def _dp4a_layout(layout: Layout) -> bool:
@@ -573,7 +574,7 @@ def _dp4a_group_maxima(
     """Stage 1 by :func:`~.dp4a_stage.dp4a_group_max_kernel`: ``out`` ``(nq, cdiv(n, cfg.block_n))`` = each query's
     best int8 estimate per group (as :func:`_int8_group_maxima`)."""
     n_words = words.shape[1]
-    q8, qfac = _int8_queries(q, n_words * CHANNELS_PER_WORD)
+    q8, qfac, _ = _int8_queries(q, n_words * CHANNELS_PER_WORD)
     q_words = q8.view(torch.int32)
     grid, unit = _int8_grid(table)
     scale, bias = _scale_bias(block)
@@ -593,19 +594,19 @@ def _int8_group_maxima(q: torch.Tensor, block: CodeBlock, table: CodeTable, out:
     block_k = 32 if interpreting() else (FUSED_BLOCK_K if fused else INT8_BLOCK_K)
     tile_rows = max(cfg.block_n, 32 if interpreting() else (FUSED_TILE_ROWS if fused else INT8_TILE_ROWS))
     channels = cdiv(q.shape[1], block_k) * block_k
-    q8, qfac = _int8_queries(q, channels)
+    q8, qfac, abs_sum = _int8_queries(q, channels)
     grid, unit = _int8_grid(table)
     scale, bias = _scale_bias(block)
     nq, n = q.shape[0], len(block)
     stages = 1 if interpreting() else (FUSED_STAGES if fused else INT8_STAGES)
     launch = {"K_PAD": channels, "NBYTES": table.layout.row_bytes, "HAS_BIAS": bias is not None, "BLOCK_Q": cfg.block_q,
               "BLOCK_N": tile_rows, "GROUP_N": cfg.block_n, "BLOCK_K": block_k, "GROUP_Q": INT8_GROUP_Q, "FUSED": fused,
-              "ASM": _table_int8_asm(table, nibble_levels_asm) if fused else "", "num_warps": cfg.num_warps,
-              "num_stages": stages}
+              "ASM": _table_int8_asm(table, nibble_levels_asm) if fused else "",
+              "FAST_MAX_ABS_SUM": FAST_CONVERSION_MAX_ABS_SUM, "num_warps": cfg.num_warps, "num_stages": stages}
     bias_ptr = _dummy(bias, scale)
     if fused:
         group_max_kernel[(cdiv(nq, cfg.block_q) * cdiv(n, tile_rows),)](
-            q8, block.packed, scale, bias_ptr, qfac, grid, out, unit, nq, n, 0, q8.stride(0), block.packed.stride(0),
+            q8, block.packed, scale, bias_ptr, qfac, abs_sum, grid, out, unit, nq, n, 0, q8.stride(0), block.packed.stride(0),
             out.stride(0), **launch)
         return
     chunk = min(cdiv(n, tile_rows), max(1, INT8_CHUNK_BYTES // (channels * tile_rows))) * tile_rows
@@ -619,7 +620,7 @@ def _int8_group_maxima(q: torch.Tensor, block: CodeBlock, table: CodeTable, out:
             BLOCK_N=decode_n, BLOCK_D=_pow2_clamp(max(d for d, _ in table.layout.segments), 8, 64), num_warps=4,
         )
         group_max_kernel[(cdiv(nq, cfg.block_q) * cdiv(rows, tile_rows),)](
-            q8, decoded, scale[first:], bias_ptr if bias is None else bias[first:], qfac, grid, out, unit, nq, rows,
+            q8, decoded, scale[first:], bias_ptr if bias is None else bias[first:], qfac, abs_sum, grid, out, unit, nq, rows,
             first // cfg.block_n, q8.stride(0), decoded.stride(0), out.stride(0), **launch)
 
 

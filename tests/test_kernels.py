@@ -262,6 +262,47 @@ def test_int8_stage_one(monkeypatch: pytest.MonkeyPatch, bits: float, mode: str,
     assert_topk_equal(got, scan.search(rotated, cpu_block, table, 7), ref)
 
 
+@pytest.mark.parametrize("stage", ["decoded", "fused"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_stage_turns_products_into_the_same_floats_either_way(monkeypatch: pytest.MonkeyPatch, stage: str,
+                                                                    bias: bool) -> None:
+    """The int8 tiles read their products as floats by one subtraction where every query of the tile keeps them
+    within ±2^22, else by converting them: with the subtraction switched off (a limit of -1) the group maxima are
+    the same floats."""
+    tq, _, dev_block, rotated, _ = make_case(4, "mse", 40, n=300, nq=20, bias=bias)
+    changes, config = stage1_config(stage, 16)
+    with ops.configured(**changes):
+        fast = ops.group_maxima(dev(rotated), None, dev_block, tq.table(KERNEL_DEVICE), config).cpu()
+        monkeypatch.setattr(ops, "FAST_CONVERSION_MAX_ABS_SUM", -1)
+        converted = ops.group_maxima(dev(rotated), None, dev_block, tq.table(KERNEL_DEVICE), config).cpu()
+    assert torch.isfinite(fast).all() and torch.equal(fast, converted)
+
+
+@pytest.mark.parametrize("stage", ["decoded", "fused"])
+def test_int8_stage_subtraction_is_exact_at_its_limit(stage: str) -> None:
+    """Products as large as the subtraction path allows: 256 channels of the largest level (127 on the grid) times
+    queries of 256 equal coordinates (127 each, Σ|q8| = 32,512 ≤ the limit of 33,026) sum to ±4,129,024, just under
+    2^22; the group maxima equal the exact scores ±256 · L · scale to float32 rounding, whichever their sign."""
+    dim = 256
+    assert dim * 127 <= ops.FAST_CONVERSION_MAX_ABS_SUM  # the products below take the subtraction
+    tq = TurboQuantizer(dim, 4, seed=0)
+    table = tq.table(KERNEL_DEVICE)
+    largest = tq.table("cpu").levels.abs().max().item()
+    top = int(tq.table("cpu").levels[0, :16].argmax())
+    packed = torch.full((40, dim // 2), top * 17, dtype=torch.uint8)  # both nibbles of every byte: the top code
+    scale = torch.linspace(0.5, 2.0, 40)
+    block = scan.CodeBlock(dev(packed), dev(scale))
+    queries = torch.stack([torch.ones(dim), -torch.ones(dim)])
+    changes, config = stage1_config(stage, 16)
+    with ops.configured(**changes):
+        got = ops.group_maxima(dev(queries), None, block, table, config).cpu()
+    exact = 256 * largest * scale.double()  # (40,) the all-ones query's scores; the other's are their negatives
+    pad = got.shape[1] * 16 - len(exact)
+    expected = torch.stack([torch.nn.functional.pad(sign * exact, (0, pad), value=float("-inf")).view(-1, 16).amax(1)
+                            for sign in (1, -1)])
+    assert torch.allclose(got.double(), expected, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("stage", sorted(STAGE1_PATHS))
 def test_stage1_ranks_a_zero_query_by_bias(stage: str) -> None:
     """A zero query scores every row by its bias alone: stage 1 divides its products by the query's scale factor
