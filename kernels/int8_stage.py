@@ -12,7 +12,7 @@ q · 127 / max|q|), multiplied with int32 accumulation:
   ranks its groups by their bias), as :func:`~.scan_kernel.tile_kernel` does with ``GROUP_MAX`` up to the two 8-bit
   roundings.
 
-The products become floats without the int32-to-float conversion instruction (a quarter of the float32 rate on the
+The products become floats without the int32-to-float conversion instruction (an eighth of the float32 rate on the
 H200's multiprocessors, and one per query and row): the accumulator starts at :data:`ACC_BIAS`, the bits of the
 float32 1.5 · 2^23, so while a product Σ stays within ±2^22 the accumulator's bits read as the float 1.5 · 2^23 + Σ
 exactly and one subtraction gives Σ. A query tile takes that path when every query's ``Σ|q8|`` is at most

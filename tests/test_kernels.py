@@ -279,12 +279,16 @@ def test_int8_stage_turns_products_into_the_same_floats_either_way(monkeypatch: 
 
 
 @pytest.mark.parametrize("stage", ["decoded", "fused"])
-def test_int8_stage_subtraction_is_exact_at_its_limit(stage: str) -> None:
-    """Products as large as the subtraction path allows: 256 channels of the largest level (127 on the grid) times
-    queries of 256 equal coordinates (127 each, Σ|q8| = 32,512 ≤ the limit of 33,026) sum to ±4,129,024, just under
-    2^22; the group maxima equal the exact scores ±256 · L · scale to float32 rounding, whichever their sign."""
-    dim = 256
-    assert dim * 127 <= ops.FAST_CONVERSION_MAX_ABS_SUM  # the products below take the subtraction
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("dim", [256, 512])
+def test_int8_stage_products_are_exact_on_both_sides_of_the_limit(stage: str, group: int, dim: int) -> None:
+    """The largest products either way: ``dim`` channels of the largest level (127 on the grid) times queries of
+    ``dim`` equal coordinates (127 each), ±127² · dim. At 256 channels (Σ|q8| = 32,512, under the limit of 33,026)
+    they reach ±4,129,024, just under 2^22, and take the subtraction; at 512 (Σ|q8| = 65,024) they reach ±8,258,048,
+    which the subtraction would get wrong, and take the conversion. The group maxima, without bias (the per-query
+    factor then scales the maxima), in groups of part of a tile (16 rows) or a whole one (32 under the interpreter),
+    equal the exact scores ±dim · L · scale to float32 rounding, whichever their sign."""
+    assert 256 * 127 <= ops.FAST_CONVERSION_MAX_ABS_SUM < 512 * 127
     tq = TurboQuantizer(dim, 4, seed=0)
     table = tq.table(KERNEL_DEVICE)
     largest = tq.table("cpu").levels.abs().max().item()
@@ -293,12 +297,12 @@ def test_int8_stage_subtraction_is_exact_at_its_limit(stage: str) -> None:
     scale = torch.linspace(0.5, 2.0, 40)
     block = scan.CodeBlock(dev(packed), dev(scale))
     queries = torch.stack([torch.ones(dim), -torch.ones(dim)])
-    changes, config = stage1_config(stage, 16)
+    changes, config = stage1_config(stage, group)
     with ops.configured(**changes):
         got = ops.group_maxima(dev(queries), None, block, table, config).cpu()
-    exact = 256 * largest * scale.double()  # (40,) the all-ones query's scores; the other's are their negatives
-    pad = got.shape[1] * 16 - len(exact)
-    expected = torch.stack([torch.nn.functional.pad(sign * exact, (0, pad), value=float("-inf")).view(-1, 16).amax(1)
+    exact = dim * largest * scale.double()  # (40,) the all-ones query's scores; the other's are their negatives
+    pad = got.shape[1] * group - len(exact)
+    expected = torch.stack([torch.nn.functional.pad(sign * exact, (0, pad), value=float("-inf")).view(-1, group).amax(1)
                             for sign in (1, -1)])
     assert torch.allclose(got.double(), expected, rtol=1e-6, atol=0)
 
