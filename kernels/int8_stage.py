@@ -163,9 +163,8 @@ def group_max_kernel(
     ``unit / qfac[q] · scale[i] · ⟨q8, r8_i⟩ + bias[i]`` for the ``n`` rows and the queries ``q8`` ``(nq, K_PAD)``
     int8, ``q8 ≈ qfac · q`` (``unit`` read from ``unit_ptr``: the grid's step in level units; ``abs_sum_ptr``: each
     query's ``Σ|q8|``, see :func:`_products`, ``FAST_MAX_ABS_SUM`` normally :data:`FAST_CONVERSION_MAX_ABS_SUM`). A
-    program computes a
-    tile of ``BLOCK_Q`` queries × ``BLOCK_N`` rows, ``BLOCK_N / GROUP_N`` groups; programs run ``GROUP_Q`` query tiles
-    fastest within a band of row tiles (:func:`_tile_of`).
+    program computes a tile of ``BLOCK_Q`` queries × ``BLOCK_N`` rows, ``BLOCK_N / GROUP_N`` groups; programs run
+    ``GROUP_Q`` query tiles fastest within a band of row tiles (:func:`_tile_of`).
 
     The rows ``r8``: decoded int8 levels ``(n, K_PAD)`` at ``rows_ptr``; or with ``FUSED`` the packed codes of one
     4-bit segment, ``NBYTES`` bytes per row, each tile decoded in registers to the int8 grid levels (``grid_ptr``: 16

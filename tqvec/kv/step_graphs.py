@@ -131,7 +131,6 @@ class StepGraphs:
         RuntimeWarning
             When the step cannot be recorded; it then runs eagerly for this key (its work is done once either way).
         """
-        device = inputs[0].device
         key = (key, tuple(x.shape for x in inputs), tuple(x.dtype for x in inputs), torch.is_autocast_enabled("cuda"))
         held = self._recorded.get(slot)
         if held is not None and held.key == key:
@@ -142,6 +141,7 @@ class StepGraphs:
             held.graph.replay()
             return None if held.output is None else held.output.clone()
         self._recorded.pop(slot, None)
+        device = inputs[0].device
         buffers = tuple(x.clone(memory_format=torch.contiguous_format) for x in inputs)
         result = step(*buffers)  # this step's work, eagerly (and any kernel compilation, outside the recording)
         graph = torch.cuda.CUDAGraph()
