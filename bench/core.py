@@ -135,7 +135,7 @@ def encode_main(argv: list[str] | None = None) -> None:
     """CPU encode throughput of tqvec vs FAISS IndexPQ (train+add) and IndexScalarQuantizer (add)."""
     import faiss  # noqa: PLC0415
 
-    parser = argparse.ArgumentParser(prog="tqvec.bench.core encode", description=encode_main.__doc__)
+    parser = argparse.ArgumentParser(prog="tqvec bench encode", description=encode_main.__doc__)
     parser.add_argument("--n", type=int, default=100_000)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--bits", type=int, nargs="+", default=[2, 4], choices=[2, 4])
@@ -209,7 +209,7 @@ def paired_inner_products(quantizer: TurboQuantizer, queries: np.ndarray, x: np.
 
 def distortion_main(argv: list[str] | None = None) -> None:
     """Measured reconstruction MSE and inner-product error vs theory on GloVe-50 and KJV-384."""
-    parser = argparse.ArgumentParser(prog="tqvec.bench.core distortion", description=distortion_main.__doc__)
+    parser = argparse.ArgumentParser(prog="tqvec bench distortion", description=distortion_main.__doc__)
     parser.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))
     parser.add_argument("--bits", type=float, nargs="+", default=list(DISTORTION_BITS))
     parser.add_argument("--rotations", nargs="+", default=["haar", "hadamard"], choices=["haar", "hadamard"])

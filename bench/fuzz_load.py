@@ -400,7 +400,7 @@ def run_here(args: argparse.Namespace, engine: str, command: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Fuzz as the command line says (module docstring); 1 if there were findings, else 0."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="tqvec bench fuzz-load", description=__doc__.splitlines()[0])
     parser.add_argument("--inputs", type=int, default=100_000)
     parser.add_argument("--engine", choices=("auto", "atheris", "hypothesis", "random"), default="auto")
     parser.add_argument("--slow", type=float, default=1.0, help="seconds per input that count as a finding")

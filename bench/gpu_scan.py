@@ -464,7 +464,7 @@ def topk_compare(out_dir: Path, n: int = 1_000_000, d: int = 128, bits: int = 4,
 
 def main(argv: list[str] | None = None) -> None:
     """``tqvec bench gpu-scan [options]`` (needs CUDA): the table, or only ``--check`` / ``--sweep`` / ``--topk``."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="tqvec bench gpu-scan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000])
     parser.add_argument("--dims", type=int, nargs="+", default=[128, 384, 768, 1024, 1536])

@@ -55,7 +55,7 @@ def check(metric: str, bits: float, mode: str, n: int, dim: int, nq: int) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="tqvec bench index-cuda-check", description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=200_000)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--nq", type=int, default=100)

@@ -68,7 +68,7 @@ def measure(case: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Measure every case (each in a fresh process) and write ``bench/results/ivf_memory.{json,md}``."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="tqvec bench ivf-memory", description=__doc__.splitlines()[0])
     parser.add_argument("--limit-mib", type=float, default=300.0, help="growth each case must stay under")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)

@@ -239,7 +239,7 @@ def speed_markdown(args, rows: dict, command: str) -> str:
 
 # ---------------------------------------------------------------------------------------------------- main
 def _args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tqvec.bench.kv_cpu", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tqvec bench kv-cpu", description=__doc__.splitlines()[0])
     p.add_argument("measurement", choices=["bytes", "memory", "speed", "memory-child"])
     p.add_argument("--caches", nargs="+", default=None, help="dynamic, tqvec-<bits>, quanto-<bits>")
     p.add_argument("--context", type=int, default=None, help="prompt tokens")

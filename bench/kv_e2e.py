@@ -28,7 +28,7 @@ DynamicCache runs with transformers' ``sdpa`` attention, TurboQuantCache (``--bi
   DynamicCache's rows, and decode tokens/s (rows × steps / s) at the largest batch each completes ≥ 2×.
 
 ``generate()`` runs (peak, budget, batch) use SDPA with cuDNN's backend off for both caches (cuDNN's host cost per
-call makes eager decoding 10× slower, ``kv_gpu.md``) and ``--prefill-chunk`` (generate's ``prefill_chunk_size``)
+call makes eager decoding several times slower, ``kv_gpu.md``) and ``--prefill-chunk`` (generate's ``prefill_chunk_size``)
 for both. Their decode tokens/s is timed inside the run by a streamer (the host receives each new token), over the
 steps after the first ``SKIP_STEPS`` (kernel compilation, the first compression after the prefill). A budget or
 batch run predicted (from the fit runs' times) to take longer than ``--max-run-s``, and any run that would end past
@@ -790,7 +790,7 @@ def _int_list(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the parts named by ``--parts`` and write ``kv_e2e.json`` / ``kv_e2e.md`` under ``--out``."""
-    p = argparse.ArgumentParser(prog="tqvec.bench.kv_e2e", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tqvec bench kv-e2e", description=__doc__.splitlines()[0])
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
     p.add_argument("--contexts", type=_int_list, help="peak and decode prompt lengths (default 32768,131072; tiny 512,1024)")
     p.add_argument("--layers", type=int, help="decoder layers (default 32; tiny 2)")

@@ -211,7 +211,7 @@ def sweep(contexts: list[int], batches: list[int], bits: float, window: int, ite
 
 def main(argv: list[str] | None = None) -> None:
     """Run the GPU attention benchmark (needs CUDA) and write ``kv_gpu.json`` / ``kv_gpu.md`` under ``--out``."""
-    p = argparse.ArgumentParser(prog="tqvec.bench.kv_gpu", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tqvec bench kv-gpu", description=__doc__.splitlines()[0])
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536, 131072])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--bits", type=float, default=4)

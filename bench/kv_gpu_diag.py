@@ -131,7 +131,7 @@ def _markdown(fixed: list[dict], configs: list[dict], host: list[dict], command:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the three diagnostics and write ``kv_gpu_diag.json`` / ``kv_gpu_diag.md`` under ``--out``."""
-    p = argparse.ArgumentParser(prog="tqvec.bench.kv_gpu_diag", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tqvec bench kv-gpu-diag", description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)

@@ -153,7 +153,7 @@ def _markdown(empty: float, rows: list[dict], command: str, device: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Measure the floors and write ``kv_gpu_floor.json`` / ``kv_gpu_floor.md`` under ``--out``."""
-    p = argparse.ArgumentParser(prog="tqvec.bench.kv_gpu_floor", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tqvec bench kv-gpu-floor", description=__doc__.splitlines()[0])
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", type=Path, default=RESULTS)

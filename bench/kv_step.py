@@ -51,7 +51,7 @@ def decode_ms(model, cache, ids: torch.Tensor, tokens: int, warmup: int = 2) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="tqvec.bench.kv_step", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tqvec bench kv-step", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)

@@ -144,7 +144,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="tqvec bench sharded", description=__doc__.splitlines()[0])
     parser.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--cpus", type=int, default=os.cpu_count())
     args = parser.parse_args(argv)

@@ -1,7 +1,7 @@
 """Host-side launch helpers: direct launches of compiled Triton kernels, and grid arithmetic.
 
 ``kernel[grid](*args, **constexprs)`` binds all of a kernel's arguments in Python on every call and checks its caches
-(~100–200 µs of host time per launch of the decode-attention kernel, which takes ~90 arguments). :class:`Launcher`
+(a large share of a step's host time for the decode-attention kernel, which takes ~90 arguments; docs/kv.md). :class:`Launcher`
 keeps the compiled kernel that such a call returns, keyed by what Triton specializes on for the runtime arguments
 (computed by Triton's own ``native_specialize_impl``: tensors' dtype and 16-byte alignment, integers' width and
 divisibility), by the compile-time arguments and by the debug and instrumentation settings, and launches it through

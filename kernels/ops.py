@@ -33,7 +33,7 @@ k-th score (near-ties).
 
 On CUDA, the second search with the same key (query shape, k, tiling, settings, and the database tensors'
 addresses, shapes and strides) captures the whole search in a CUDA graph; later calls with that key
-copy the queries in and replay it, which removes ~0.2 ms of launch overhead per call. At most
+copy the queries in and replay it, which removes the launches' host overhead (docs/gpu.md). At most
 :attr:`SearchSettings.graph_cache_size` graphs are kept (least recently used dropped); :func:`clear_graphs` frees
 them. Concurrent searches from several threads are safe (:class:`~.graphs.GraphCache` serializes replays).
 
@@ -133,8 +133,8 @@ class TileConfig:
     ``matvec``: search stage 1 by :func:`~.scan_kernel.matvec_kernel` instead: one query per program,
     ``block_n`` rows per tile, ``block_d`` code bytes per step, ``tiles`` tiles per program.
 
-    ``num_stages`` stays 1: software pipelining of the dependent code/level loads measured up to
-    10× slower on the H200.
+    ``num_stages`` stays 1: software pipelining of the dependent code/level loads was much slower on the H200
+    (docs/gpu.md).
 
     ``int8``: search stage 1 by :mod:`.int8_stage` instead (rows decoded to int8 once, or per tile in registers:
     ``block_q`` × :data:`INT8_TILE_ROWS` or :data:`FUSED_TILE_ROWS` tiles on int8 tensor cores, maxima per group of
@@ -183,8 +183,7 @@ class SearchSettings:
         permutes, as float16 (:func:`~.unpack.nibble_pair_asm`); off: float32 levels gathered from the table.
     tile_permutes : bool
         The same for the float16 tile kernel's stage 1 over 2-16 queries (rows as the MMA's M side); off: levels from
-        the pair table. (With 128-query tiles the two half-width products measured 3.4-4x slower on the H200: not
-        used there.)
+        the pair table. (Not used with 128-query tiles: there the two half-width products were slower on the H200.)
     matvec_dp4a : bool
         A single query's stage 1 over one 4-bit segment of a multiple of 8 channels runs as int8 dot products
         (:mod:`.dp4a_stage`); off: the float32 :func:`~.scan_kernel.matvec_kernel` (``matvec_permutes`` applies).

@@ -147,7 +147,7 @@ def segment_matvec(
 
     ``q_ptrs`` points at the query's first channel of the segment. For BITS in {1, 2, 4, 8}: ``BLOCK_B``
     bytes per step, whose ``8 // BITS`` codes each meet the matching strided query channels, with no
-    reshapes (reading int32 words instead measured 2× slower on the H200); other widths decode
+    reshapes (reading int32 words instead was slower on the H200); other widths decode
     ``BLOCK_B`` channels per step with :func:`segment_values`. Channels past ``DIM`` meet query 0.
 
     ``ASM`` (4-bit codes only, :func:`nibble_pair_asm` of the segment's levels): levels decoded by byte permutes as

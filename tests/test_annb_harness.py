@@ -158,3 +158,21 @@ def test_full_run_cost_on_1m_vectors() -> None:
     runs = annb_runs.definitions("angular", 100)
     cost = annb_runs.full_run_seconds(runs, n=1_000_000, nq=10_000, dim=100)
     assert cost["total"] < 45 * 60, cost
+
+
+def test_summary_names_its_command_and_each_algorithms_best_run(tmp_path: Path) -> None:
+    """``summary.md`` (what the README quotes) starts with the command that made it; per (data set, algorithm) it keeps
+    the fastest run at recall ≥ the goal, and says so when none reached it."""
+    from tqvec.bench.annb.harness import RECALL_GOAL, summarize  # noqa: PLC0415 - the harness module is heavy
+
+    csv_path = tmp_path / "results.csv"
+    header = "dataset,algorithm,parameters,k-nn,qps,indexsize,build\n"
+    rows = [f"d,a,fast-low,{RECALL_GOAL - 0.01},900,1,0.1", f"d,a,slow,{RECALL_GOAL},100,1,0.1",
+            f"d,a,fast,{RECALL_GOAL + 0.05},300,1,0.1", "d,b,never,0.5,999,1,0.1"]
+    csv_path.write_text(header + "\n".join(rows) + "\n")
+    text = summarize(csv_path, tmp_path / "summary.md", "python -m tqvec.bench.annb.harness ckout --cpu 1")
+    assert (tmp_path / "summary.md").read_text() == text
+    lines = text.splitlines()
+    assert lines[0].startswith("`python -m tqvec.bench.annb.harness ckout --cpu 1`")
+    assert "| d | a | 3 | 300 |" in text and "`fast`" in text
+    assert "| d | b | 1 | never reached |" in text

@@ -66,7 +66,7 @@ def test_generate_compresses_full_attention_layers_only(lm) -> None:
     ids = ev.text_ids(tokenizer, "pydoc", 900, offset=2000)
     cache = TurboQuantCache(model.config)
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=cache)
+        out = model.generate(ids, max_new_tokens=12, do_sample=False, cache=cache)
     assert out.shape == (1, 912)
     kinds = model.config.layer_types
     assert kinds.count("full_attention") == 3 and len(kinds) == len(cache.layers) == 18

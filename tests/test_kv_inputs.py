@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ pytest.importorskip("transformers")
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from tqvec.kv import TurboQuantCache  # noqa: E402
+from tqvec.kv._requirements import require_transformers  # noqa: E402
 
 
 def _config() -> LlamaConfig:
@@ -124,3 +127,23 @@ def test_non_finite_states_are_refused_when_compressed() -> None:
     values[0, 0, 5, 0] = float("inf")
     with pytest.raises(ValueError, match="value_states contains NaN or Inf"):
         cache.update(torch.randn(1, 2, 40, 16), values, 1)
+
+
+@pytest.mark.parametrize("version", ["4.57.6", "5.0.0", "5.23.0"])
+def test_an_older_transformers_is_named_with_its_fix(version: str) -> None:
+    with pytest.raises(ImportError, match=rf"needs transformers >= 5\.24, found {version}: pip install -U"):
+        require_transformers(version)
+
+
+@pytest.mark.parametrize("version", ["5.24.0", "5.25.0", "5.26.0.dev0", "6.0.0"])
+def test_transformers_from_5_24_on_is_accepted(version: str) -> None:
+    require_transformers(version)
+
+
+def test_importing_the_package_under_an_older_transformers_fails_at_once_with_the_fix() -> None:
+    """The check runs before the package's other modules: their imports would fail on a missing name instead."""
+    code = "import transformers; transformers.__version__ = '5.20.0'; import tqvec.kv"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1] == ('ImportError: tqvec.kv needs transformers >= 5.24, found 5.20.0: '
+                                                    'pip install -U "transformers>=5.24"')

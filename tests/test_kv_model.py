@@ -61,7 +61,7 @@ def test_8bit_greedy_equals_dynamic_cache(lm) -> None:
     with torch.no_grad():
         ref = model.generate(ids, max_new_tokens=32, do_sample=False, cache=DynamicCache(config=model.config))
         cache = TurboQuantCache(model.config, key_bits=8, value_bits=8, window=16)
-        out = model.generate(ids, max_new_tokens=32, do_sample=False, past_key_values=cache)
+        out = model.generate(ids, max_new_tokens=32, do_sample=False, cache=cache)
     layer = cache.layers[0]  # 231 tokens fed: 4 sinks, a window of 16 + < 16 (compress_chunk), the rest read from codes
     assert layer.get_seq_length() == 231 and layer.keys.shape[2] < 16 + 16 and layer.key_store.length > 231 - 4 - 32
     assert torch.equal(out[0, 200:], ref[0, 200:])

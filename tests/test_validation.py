@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -126,6 +127,18 @@ def test_as_float_matrix() -> None:
     assert validation.as_float_matrix(torch.ones(2, 3, dtype=torch.bfloat16), 3).dtype == torch.float32
     with pytest.raises(ValueError, match="vecs has dimension 4, expected 3"):
         validation.as_float_matrix(np.ones((2, 4)), 3, "vecs")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_read_only_arrays_are_copied_without_a_warning(dtype: type) -> None:
+    """A read-only array (a Ray object, a memmap opened "r") is copied: torch warns on, and must not alias, memory it
+    cannot write."""
+    x = good().astype(dtype)
+    x.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = validation.as_float_matrix(x, DIM)
+    assert out.numpy().flags.writeable and np.array_equal(out.numpy(), x.astype(np.float32))
 
 
 def test_finiteness_check_fast_path_is_exact() -> None:

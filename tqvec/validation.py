@@ -44,7 +44,10 @@ def as_float_matrix(x: Any, dim: int, name: str = "x", device: torch.device | st
         # converted by numpy, not torch: torch's intra-op threads spin on after a parallel op and slow the native
         # search that follows; values beyond float32's range become inf, rejected below
         with np.errstate(over="ignore"):
-            x = torch.from_numpy(np.asarray(x, dtype=np.float32, order="C"))
+            array = np.asarray(x, dtype=np.float32, order="C")
+        if not array.flags.writeable:  # read-only memory (a Ray object, a read-only memmap): torch wants its own copy
+            array = array.copy()
+        x = torch.from_numpy(array)
     elif not isinstance(x, torch.Tensor):
         raise ValueError(f"{name} must be a numpy array or torch tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT_DTYPES:

@@ -197,8 +197,9 @@ def run(cmd: list[str], cwd: Path, log_path: Path | None = None) -> None:
         raise subprocess.CalledProcessError(proc.returncode, cmd)
 
 
-def summarize(csv_path: Path, out: Path) -> str:
-    """Best QPS at recall@10 ≥ ``RECALL_GOAL`` per (data set, algorithm) from the exported CSV, as markdown."""
+def summarize(csv_path: Path, out: Path, command: str) -> str:
+    """Best QPS at recall@10 ≥ ``RECALL_GOAL`` per (data set, algorithm) from the exported CSV, as markdown headed by
+    the ``command`` that ran the harness; written to ``out`` and returned."""
     with open(csv_path) as f:
         rows = list(csv.DictReader(f))
     best: dict[tuple[str, str], dict] = {}
@@ -208,7 +209,8 @@ def summarize(csv_path: Path, out: Path) -> str:
         counts[key] = counts.get(key, 0) + 1
         if float(r["k-nn"]) >= RECALL_GOAL and (key not in best or float(r["qps"]) > float(best[key]["qps"])):
             best[key] = r
-    lines = [f"| data set | algorithm | runs | best QPS at recall@10 ≥ {RECALL_GOAL} | recall | parameters | "
+    lines = [f"`{command}` (logs: `run_*.log` beside this file; method: docs/annb.md)", "",
+             f"| data set | algorithm | runs | best QPS at recall@10 ≥ {RECALL_GOAL} | recall | parameters | "
              "index size (kB) | build (s) |", "|---|---|---|---|---|---|---|---|"]
     for key in sorted(counts):
         r = best.get(key)
@@ -233,6 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "annb")
     args = parser.parse_args(argv)
     checkout, out = args.checkout.resolve(), args.out.resolve()
+    command = f"python -m tqvec.bench.annb.harness {' '.join(sys.argv[1:] if argv is None else argv)}"
     out.mkdir(parents=True, exist_ok=True)
     python = sys.executable
 
@@ -244,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     defs = definitions(checkout, args.quick)
     for name in names:
         log_path = out / f"run_{name}.log"
-        log_path.write_text(f"# python -m tqvec.bench.annb.harness {' '.join(sys.argv[1:] if argv is None else argv)}\n")
+        log_path.write_text(f"# {command}\n")
         start = time.time()
         run(["taskset", "-c", str(args.cpu), python, "run.py", "--local", "--dataset", name, "--runs", str(args.runs),
              "--definitions", str(defs.relative_to(checkout)), "--force"], checkout, log_path)
@@ -262,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    print(summarize(csv_path, out / "summary.md"))
+    print(summarize(csv_path, out / "summary.md", command))
     return 0
 
 

@@ -3,8 +3,8 @@
 Per full-attention layer (:class:`TurboQuantLayer`):
 
 * the first ``sinks`` tokens (attention sinks, default 4) stay in full precision (``sink_keys`` /
-  ``sink_values``): on SmolLM2 the first token's quantization error alone more than doubles the
-  attention-distribution KL at 4 bits (measured offline: 0.0129 → 0.0051 nats when it is kept).
+  ``sink_values``): the first token draws much of the attention, so its quantization error alone weighs on the
+  attention distribution out of proportion;
   With left padding the first positions of a padded row are pads, so that row's sink is compressed;
 * the newest ``window`` tokens stay in full precision (``keys`` / ``values``, ``(b, h, t, d)``); tokens
   leaving it are compressed once at least ``compress_chunk`` (default 16) have accumulated, so the window
@@ -277,19 +277,48 @@ class CodedCache(Cache):
 class TurboQuantCache(CodedCache):
     """TurboQuant KV cache for a transformers model (full-attention layers compressed, others dynamic).
 
-    ``key_bits`` / ``value_bits``: bits per channel (1–8, fractional allowed, see
-    :mod:`tqvec.kv.codec`); ``key_mode``: ``"mse"`` or ``"prod"`` (values always ``mse``);
-    ``window``: newest tokens kept in full precision; ``sinks``: first tokens kept in full precision;
-    ``compress_chunk``: tokens leaving the window are compressed in batches of at least this many (see the module
-    docstring; 1: every step); ``key_rescale`` / ``value_rescale``: TurboQuantizer's ``rescale`` (``mse`` only);
-    ``split``: ``"outlier"`` or ``"rotated"``.
+    Use it with the ``"tqvec"`` attention (``model.set_attn_implementation("tqvec")``); a layer's tokens are split
+    into full-precision sinks, codes and a full-precision window of the newest tokens (module docstring).
 
-    ``key_rescale`` defaults to on for ``mse`` keys: an ``mse`` code shrinks each key toward 0 (ŷ is a
-    conditional mean), which shrinks its attention logits; over a long context this flattens the sharp
-    retrieval (induction) heads. On SmolLM2 at 4 bits it cut the passkey margin's mean deviation from
-    the full cache from 0.45 to 0.25 nats over 24 trials (bench/results/kv.md; the keys cause it: in a
-    6-trial check 4-bit keys with 8-bit values lost the margin, 8-bit keys with 4-bit values did not)
-    and lowered the KL at 3–4 bits. Values keep the plain ``mse`` scale, the least-squares reconstruction.
+    Parameters
+    ----------
+    config : transformers ``PretrainedConfig``
+        The model's config (``model.config``); its text config's layer types say which layers are compressed.
+    key_bits, value_bits : float
+        Bits per channel, 1–8; fractional rates split a head's channels between two widths (:mod:`tqvec.kv.codec`).
+    key_mode : {"mse", "prod"}
+        The keys' quantizer mode (values are always ``mse``).
+    window : int
+        Newest tokens kept in full precision (≥ 0).
+    sinks : int
+        First tokens kept in full precision (≥ 0).
+    key_rescale : bool, optional
+        TurboQuantizer's ``rescale`` for the keys (``mse`` only); default: on for ``mse`` keys. An ``mse`` code
+        shrinks each key toward 0 (a conditional mean), which flattens sharp retrieval heads over long contexts;
+        the rescale undoes it (docs/kv.md measures the effect on passkey margins and KL).
+    value_rescale : bool
+        The same for the values (off: the plain ``mse`` scale is the least-squares reconstruction).
+    split : {"outlier", "rotated"}
+        How a fractional rate splits a head's channels: ``"outlier"`` gives the extra bit to the channels of largest
+        magnitude, ``"rotated"`` to a segment of the rotated channels (:mod:`tqvec.kv.codec`).
+    seed : int
+        Rotation seed (keys ``seed``, values ``seed + 1000``).
+    compress_chunk : int
+        Tokens leaving the window are compressed in batches of at least this many (≥ 1; 1: every step).
+
+    Raises
+    ------
+    TypeError
+        ``config`` not a ``PretrainedConfig`` (the model itself, None), or an argument of the wrong type (named).
+    ValueError
+        An argument out of range or an unknown choice (named).
+
+    Examples
+    --------
+    >>> cache = TurboQuantCache(model.config, key_bits=3.5, value_bits=3.5)  # doctest: +SKIP
+    >>> model.set_attn_implementation("tqvec")                               # doctest: +SKIP
+    >>> model.generate(**inputs, cache=cache, max_new_tokens=64)            # doctest: +SKIP
+    >>> cache.nbytes()                                                       # doctest: +SKIP
     """
 
     def __init__(self, config, key_bits: float = 4, value_bits: float = 4, *, key_mode: str = "mse",

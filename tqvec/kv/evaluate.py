@@ -137,9 +137,8 @@ def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: int) -> tuple[to
     """Context ids ``(1, ≈n_tokens)`` with the key at relative ``depth``, and question ids ``(1, q)``.
 
     The question asks for "the number only": after a bare "What is the pass key? The pass key is", SmolLM2's first
-    answer token hesitated between " a" ("…is a magical key that…") and the key's leading space (margins 0.02–0.31
-    nats either way) while, teacher-forced, the digits won by 4–8 nats: a coin flip unrelated to retrieval, on which
-    the full cache missed 6 of 24 trials. With this question it retrieves all 24 (smallest margin 2.2 nats).
+    answer token hesitated between " a" ("…is a magical key that…") and the key's leading space, a coin flip
+    unrelated to retrieval that even the full cache lost (docs/kv.md gives the margins).
     """
     head = ("There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
             "I will quiz you about the pass key.\n")

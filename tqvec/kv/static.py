@@ -394,7 +394,7 @@ class StaticTurboQuantCache(CodedCache):
     --------
     >>> cache = StaticTurboQuantCache(model.config, max_cache_len=4096, key_bits=4, value_bits=4)  # doctest: +SKIP
     >>> model.set_attn_implementation("tqvec")                                                     # doctest: +SKIP
-    >>> model.generate(**inputs, past_key_values=cache, max_new_tokens=64)                         # doctest: +SKIP
+    >>> model.generate(**inputs, cache=cache, max_new_tokens=64)                                   # doctest: +SKIP
     """
 
     def __init__(self, config, max_cache_len: int, key_bits: int = 4, value_bits: int = 4, *, window: int = 128,
