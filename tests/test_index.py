@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import threading
+import warnings
 
 import numpy as np
 import pytest
 import torch
 
 from tqvec import Index, storage
+from tqvec._rows import MIN_CENTER_ROWS
 from tqvec.ivf import IVFIndex
 from tqvec.quantizer import Codes
 
@@ -342,6 +344,37 @@ def test_set_center_freezes_an_explicit_center() -> None:
         Index(32, 8, correction="rescale").set_center(np.zeros(32, np.float32))
     with pytest.raises(ValueError, match="dimension 31, expected 32"):
         Index(32, 8, correction="center").set_center(np.zeros(31, np.float32))
+
+
+@pytest.mark.parametrize("make", [lambda bits: Index(16, bits, "l2"), lambda bits: Index(50, bits, "l2"),
+                                  lambda bits: Index(24, bits, "ip", mode="prod"), lambda bits: IVFIndex(16, 4, bits, "l2")],
+                         ids=["flat-16", "flat-50", "flat-prod", "ivf-16"])
+def test_a_budget_without_room_for_codes_names_the_fewest_bits_that_build(make) -> None:
+    with pytest.raises(ValueError, match=r"bytes per vector at dim=\d+, of which the side information .* leaves no "
+                                         r"room for codes: use bits >= ") as caught:
+        make(1)
+    fewest = float(str(caught.value).rsplit(">= ", 1)[1])
+    assert make(fewest).code_bytes_per_vector >= 1
+
+
+def test_side_information_wider_than_8_bits_per_dimension_says_so() -> None:
+    with pytest.raises(ValueError, match="even 8 bits are too few at dim=8 for this metric's side information"):
+        Index(8, 8, "l2")
+
+
+def test_a_center_frozen_from_few_rows_warns_with_the_remedy() -> None:
+    """The first add freezes the center; from fewer than MIN_CENTER_ROWS rows it warns (not from enough rows, nor after
+    set_center)."""
+    x = _data(300, 32)
+    with pytest.warns(UserWarning, match=r"freezes its center from 1 row\(s\), fewer than 100: .*set_center"):
+        Index(32, 8, metric="ip", correction="center").add(x[:1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Index(32, 8, metric="ip", correction="center").add(x[:MIN_CENTER_ROWS])
+        index = Index(32, 8, metric="ip", correction="center")
+        index.set_center(x.mean(0))
+        index.add(x[:1])
+        Index(32, 8, metric="ip", correction="rescale").add(x[:1])
 
 
 def test_centering_in_the_padding_beats_plain_turboquant_on_glove(glove50: np.ndarray) -> None:

@@ -248,6 +248,19 @@ def test_bad_input_raises() -> None:
         index.add(q, ids=[1])
 
 
+@pytest.mark.parametrize("bad", [0, -3, 2.5, None, True, "4"])
+def test_setting_a_bad_nprobe_raises_at_once_and_keeps_the_old_value(bad: object) -> None:
+    """``index.nprobe = ...`` (the FAISS habit) is checked when set, not deep inside a later search."""
+    index = IVFIndex(DIM, NLIST, nprobe=3)
+    index.add(_data())
+    with pytest.raises(ValueError, match="nprobe must be a positive integer"):
+        index.nprobe = bad
+    assert index.nprobe == 3
+    index.nprobe = np.int64(NLIST)
+    assert index.nprobe == NLIST and type(index.nprobe) is int
+    assert index.search(_data(2, seed=6), 5)[1].shape == (2, 5)
+
+
 def test_concurrent_searches_during_adds() -> None:
     x = _data(3000)
     index = IVFIndex(DIM, NLIST, 4, metric="ip")
@@ -271,3 +284,15 @@ def test_concurrent_searches_during_adds() -> None:
         t.join()
     assert not errors and len(index) == 3000
     assert torch.get_num_threads() == 1
+
+
+def test_direct_codes_are_centered_by_the_training_rows() -> None:
+    """``train(sample)`` freezes a direct-coded center as the sample's mean (a small first add no longer decides it),
+    and warns when the sample is smaller than MIN_CENTER_ROWS."""
+    sample, x = _data(1000, seed=2), _data(300, seed=3)
+    index = IVFIndex(DIM, NLIST, 4, metric="ip", encoding="direct", correction="center")
+    index.train(sample)
+    index.add(x[:1])
+    assert torch.allclose(index._center, torch.from_numpy(sample).mean(0))
+    with pytest.warns(UserWarning, match=r"freezes its center from 20 row\(s\).*train on at least 100 rows"):
+        IVFIndex(DIM, 4, 4, metric="ip", encoding="direct", correction="center").train(sample[:20])

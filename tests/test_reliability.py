@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -23,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 
+import tqvec
 from tqvec import Index, storage
 from tqvec._rows import search_results
 from tqvec.bench._memory import reset_peak, status_kib
@@ -259,14 +261,21 @@ def test_zero_size_arrays_with_absurd_shapes(tmp_path: Path, shape: list[int]) -
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are POSIX")
-def test_fifo_path_raises_instead_of_hanging(tmp_path: Path) -> None:
-    fifo = tmp_path / "index.tqv"
+@pytest.mark.parametrize("opener", ["Index.load", "tqvec.load", "tqvec.load of a manifest"])
+def test_fifo_path_raises_instead_of_hanging(tmp_path: Path, opener: str) -> None:
+    if opener == "tqvec.load of a manifest":  # a sharded index's directory whose manifest.json is a FIFO
+        fifo = tmp_path / "shards" / "manifest.json"
+        fifo.parent.mkdir()
+        target, load_path = tqvec.load, fifo.parent
+    else:
+        fifo = tmp_path / "index.tqv"
+        target, load_path = (Index.load if opener == "Index.load" else tqvec.load), fifo
     os.mkfifo(fifo)
     outcome: list[BaseException | None] = []
 
     def load() -> None:
         try:
-            Index.load(fifo)
+            target(load_path)
             outcome.append(None)
         except BaseException as err:  # noqa: BLE001 - reported below
             outcome.append(err)
@@ -278,8 +287,26 @@ def test_fifo_path_raises_instead_of_hanging(tmp_path: Path) -> None:
         fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
         os.close(fd)
         worker.join(5)
-        pytest.fail("Index.load blocked on a FIFO")
+        pytest.fail(f"{opener} blocked on a FIFO")
     assert isinstance(outcome[0], StorageError) and "not a regular file" in str(outcome[0])
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf"])
+def test_loading_onto_a_missing_device_blames_the_device_not_the_file(tmp_path: Path, kind: str) -> None:
+    path = _saved_index(tmp_path, kind)
+    for load in ((Index if kind == "flat" else IVFIndex).load, tqvec.load):
+        with pytest.raises(ValueError, match=r"device 'cuda:99' is not available here") as caught:
+            load(path, device="cuda:99")
+        assert not isinstance(caught.value, StorageError)
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf"])
+def test_saving_into_a_missing_directory_names_the_target_and_leaves_nothing(tmp_path: Path, kind: str) -> None:
+    index = Index.load(_saved_index(tmp_path, kind)) if kind == "flat" else IVFIndex.load(_saved_index(tmp_path, kind))
+    target = tmp_path / "no" / "such" / "dir" / "x.tqv"
+    with pytest.raises(FileNotFoundError, match=re.escape(f"cannot save {target}: no directory {target.parent}")):
+        index.save(target)
+    assert not (tmp_path / "no").exists()
 
 
 def test_directory_path_raises_storage_error(tmp_path: Path) -> None:

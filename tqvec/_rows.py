@@ -14,7 +14,7 @@ import torch
 
 from . import _fastscan, scan
 from .quantizer import Codes, TurboQuantizer
-from .rotation import ROTATION_KINDS
+from .rotation import ROTATION_KINDS, rotated_dim
 from .validation import MAX_ID, as_device, as_ids, check_array, check_bits, check_choice, check_positive_int, check_seed
 
 METRICS = ("ip", "l2", "cosine")
@@ -61,6 +61,21 @@ def side_fields_for(metric: str, mode: str, correction: str, unit_codes: bool | 
     if log_scale and metric == "cosine" and correction == "rescale" and mode == "mse":
         fields["scale"] = torch.uint8
     return fields
+
+
+#: a center frozen from fewer rows warns: centering by an n-row mean adds about 1/n of the data's variance to every
+#: centered vector (E‖x − c‖² = tr Σ · (1 + 1/n)), which outweighs what centering gains when n is small
+MIN_CENTER_ROWS = 100
+
+
+def frozen_center(x: torch.Tensor, remedy: str) -> torch.Tensor:
+    """The centering vector frozen from rows ``x`` ``(n, dim)`` (n ≥ 1): their mean, with a ``UserWarning`` naming
+    ``remedy`` when n < :data:`MIN_CENTER_ROWS` (every later code carries that mean's estimation error)."""
+    n = x.shape[0]
+    if n < MIN_CENTER_ROWS:
+        warnings.warn(f"correction='center' freezes its center from {n} row(s), fewer than {MIN_CENTER_ROWS}: its "
+                      f"error weighs on every code ({remedy}, or use correction='rescale')", UserWarning, stacklevel=3)
+    return x.mean(0)
 
 
 def store_side(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -218,8 +233,14 @@ class CodedRows:
         try:
             return TurboQuantizer.for_bytes(self.dim, code_bytes, self.mode, rotation=rotation, seed=seed, rescale=rescale)
         except ValueError as err:
-            raise ValueError(f"bits={self.bits:g}: {err} (side information {tuple(self.side_fields)} needs "
-                             f"{self._side_bytes(self.side_fields)} bytes)") from err
+            side = self._side_bytes(self.side_fields)
+            qjl = math.ceil(rotated_dim(rotation, self.dim) / 8) if self.mode == "prod" else 0
+            fewest_bits = math.ceil(800 * (side + qjl + 1) / self.dim) / 100  # one byte of codes at least
+            remedy = (f"use bits >= {fewest_bits:g}" if fewest_bits <= 8 else
+                      f"even 8 bits are too few at dim={self.dim} for this metric's side information")
+            raise ValueError(f"bits={self.bits:g}: {self.row_bytes} bytes per vector at dim={self.dim}, of which the "
+                             f"side information {tuple(self.side_fields)} takes {side}{' and the QJL bits ' if qjl else ''}"
+                             f"{qjl if qjl else ''}, leaves no room for codes: {remedy}") from err
 
     def _empty_tensors(self) -> dict[str, torch.Tensor]:
         """Zero-row tensors of every stored field, on ``device``."""

@@ -20,13 +20,15 @@ def file_kind(path: str | os.PathLike) -> str:
     """The kind a tqvec file or sharded-index directory records, e.g. ``"tqvec.Index"``.
 
     Raises ``FileNotFoundError`` when ``path`` does not exist and :class:`~tqvec.storage.StorageError` when it
-    is not a tqvec file (bad magic, truncated, corrupt header) or a directory without a readable manifest.
+    is not a tqvec file (not a regular file, bad magic, truncated, corrupt header) or a directory without a readable
+    manifest.
     """
     path = Path(path)
     if path.is_dir():
         manifest = path / MANIFEST
         try:
-            kind = json.loads(manifest.read_text(encoding="utf-8")).get("kind")
+            with storage._open_regular(manifest) as f:  # a FIFO or device raises at once instead of blocking
+                kind = json.loads(f.read().decode("utf-8")).get("kind")
         except FileNotFoundError as err:
             raise storage.StorageError(f"{path}: a directory without {MANIFEST}, not a saved tqvec index") from err
         except (OSError, ValueError, AttributeError) as err:
@@ -34,7 +36,7 @@ def file_kind(path: str | os.PathLike) -> str:
         if not isinstance(kind, str):
             raise storage.StorageError(f"{manifest}: the manifest records no kind")
         return kind
-    with open(path, "rb") as f:
+    with storage._open_regular(path) as f:  # a FIFO or device raises at once instead of blocking
         header, _ = storage._read_header(path, f)
     return header["kind"]
 

@@ -47,9 +47,11 @@ import torch
 from . import _fastscan, scan, storage
 from ._file_checks import check_index_file
 from ._rows import (
+    MIN_CENTER_ROWS,
     CodedRows,
     RowSnapshot,
     check_rows,
+    frozen_center,
     load_side,
     new_ids,
     rows_of_ids,
@@ -62,6 +64,7 @@ from .packing import write_tail
 from .quantizer import Codes, TurboQuantizer
 from .rotation import rotated_dim, rowwise_matmul
 from .validation import (
+    as_device,
     as_float_array,
     as_float_matrix,
     as_ids,
@@ -188,7 +191,8 @@ class Index(CodedRows):
         with self._lock:
             new_ids = self._new_ids(ids, x.shape[0])
             if self._center_pending and x.shape[0]:
-                self._center = x.mean(0)
+                self._center = frozen_center(x, f"call set_center(a sample's mean) before the first add, or add at "
+                                                f"least {MIN_CENTER_ROWS} rows first")
                 self._center_pending = False
             self._append(self._encode(x), new_ids)
         return new_ids
@@ -393,9 +397,11 @@ class Index(CodedRows):
 
         Raises :class:`~tqvec.storage.StorageError` for any file that is not a consistent index (header and
         arrays are checked against each other before the configuration is built; docs/guarantees.md),
-        ``FileNotFoundError`` if there is none. A file mapped with ``mmap=True`` must not be truncated while
-        the index is in use (the OS then kills the process with SIGBUS).
+        ``FileNotFoundError`` if there is none, ``ValueError`` for a ``device`` this machine lacks. A file mapped
+        with ``mmap=True`` must not be truncated while the index is in use (the OS then kills the process with
+        SIGBUS).
         """
+        device = as_device(device)  # before the file: a device this machine lacks is no fault of the file
         meta, arrays = storage.load_arrays(path, FILE_KIND, mmap=mmap)
         version = meta.get("version")
         if version not in (1, FILE_VERSION):

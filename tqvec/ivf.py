@@ -48,10 +48,28 @@ import torch
 from . import _fastscan, scan, storage
 from ._file_checks import check_ivf_file
 from ._ivf_search import search_torch
-from ._rows import CodedRows, ListSnapshot, check_rows, new_ids, rows_of_ids, side_fields_for, sort_ids
+from ._rows import (
+    MIN_CENTER_ROWS,
+    CodedRows,
+    ListSnapshot,
+    check_rows,
+    frozen_center,
+    new_ids,
+    rows_of_ids,
+    side_fields_for,
+    sort_ids,
+)
 from .kmeans import assign_nearest, kmeans
 from .quantizer import Codes, TurboQuantizer
-from .validation import as_float_array, as_float_matrix, as_ids, check_bits, check_choice, check_positive_int
+from .validation import (
+    as_device,
+    as_float_array,
+    as_float_matrix,
+    as_ids,
+    check_bits,
+    check_choice,
+    check_positive_int,
+)
 
 ENCODINGS = ("residual", "direct")
 #: "auto" picks "center" when scale + bias take at most this share of the budget (IVF's own rule, measured:
@@ -63,6 +81,8 @@ FILE_VERSION = 1
 MAX_POINTS_PER_LIST = 256
 #: auto-training on the first ``add`` needs at least this many rows per list (FAISS warns below it)
 MIN_POINTS_PER_LIST = 39
+#: what to do about a direct-coded center frozen from few rows (:func:`~tqvec._rows.frozen_center`)
+CENTER_REMEDY = f"train on at least {MIN_CENTER_ROWS} rows"
 
 
 class IVFIndex(CodedRows):
@@ -110,7 +130,7 @@ class IVFIndex(CodedRows):
         self.seed = seed
         self.nlist = check_positive_int("nlist", nlist)
         self.encoding = check_choice("encoding", encoding, ENCODINGS)
-        self.nprobe = check_positive_int("nprobe", nprobe)
+        self.nprobe = nprobe
         if correction == "auto":
             side = self._side_bytes(self._side_fields("center"))
             if side <= AUTO_SIDE_SHARE * self.row_bytes:
@@ -192,6 +212,9 @@ class IVFIndex(CodedRows):
             raise ValueError("train: the index already holds vectors (train before the first add)")
         self.centroids = kmeans(x, self.nlist, seed=self.seed, by_ip=self.metric == "ip",
                                 max_points=MAX_POINTS_PER_LIST * self.nlist)
+        if self._center_pending:  # direct codes centered by the training rows' mean
+            self._center = frozen_center(x, CENTER_REMEDY)
+            self._center_pending = False
 
     # ------------------------------------------------------------------ add
     def add(self, x: Any, ids: Any = None) -> np.ndarray:
@@ -210,8 +233,8 @@ class IVFIndex(CodedRows):
                     raise ValueError(f"the index is not trained: call train(x) first, or add at least "
                                      f"{need} vectors at once ({MIN_POINTS_PER_LIST} per list)")
                 self._train(x)
-            if self._center_pending:
-                self._center = x.mean(0)
+            if self._center_pending:  # a trained index saved before train() froze the center
+                self._center = frozen_center(x, CENTER_REMEDY)
                 self._center_pending = False
             lists = assign_nearest(x, self.centroids, self.metric == "ip")
             self._append(self._encode(x, lists), new_ids, lists)
@@ -345,6 +368,16 @@ class IVFIndex(CodedRows):
         residual = t["residual"].float() if "residual" in t else None
         return Codes(t["packed"], scale, t.get("qjl"), residual)
 
+    @property
+    def nprobe(self) -> int:
+        """Lists probed by default: a positive int, settable as FAISS's ``index.nprobe`` (checked when set: a
+        ``ValueError`` naming ``nprobe``, the old value kept)."""
+        return self._nprobe
+
+    @nprobe.setter
+    def nprobe(self, value: int) -> None:
+        self._nprobe = check_positive_int("nprobe", value)
+
     # ------------------------------------------------------------------ search
     def search(self, queries: Any, k: int, nprobe: int | None = None,
                rerank: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -432,8 +465,10 @@ class IVFIndex(CodedRows):
 
         Raises :class:`~tqvec.storage.StorageError` for any file that is not a consistent index (header and arrays
         are checked against each other before the configuration is built; docs/guarantees.md),
-        ``FileNotFoundError`` if there is none. A mapped file must not be truncated while in use (SIGBUS).
+        ``FileNotFoundError`` if there is none, ``ValueError`` for a ``device`` this machine lacks. A mapped file
+        must not be truncated while in use (SIGBUS).
         """
+        device = as_device(device)  # before the file: a device this machine lacks is no fault of the file
         meta, arrays = storage.load_arrays(path, FILE_KIND, mmap=mmap)
         if meta.get("version") != FILE_VERSION:
             raise storage.StorageError(f"{path}: unsupported index version {meta.get('version')!r}")

@@ -179,14 +179,18 @@ def _temp_pattern(path: Path) -> re.Pattern:
 
 
 def _create_temp(path: Path) -> tuple[Path, int]:
-    """A new exclusive temp file beside ``path`` and its fd, flock-ed (POSIX) so cleaners leave it alone.
+    """A new exclusive temp file beside ``path`` and its fd, flock-ed (POSIX) so cleaners leave it alone
+    (``FileNotFoundError`` naming ``path`` when its directory does not exist).
 
     A cleaner can delete the file between its creation and the lock; then the name no longer leads to the
     locked file, and another name is tried.
     """
     for _ in range(100):
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(_TEMP_HEX // 2)}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+        except FileNotFoundError as err:  # name the caller's path, not the hidden temp file
+            raise FileNotFoundError(err.errno, f"cannot save {path}: no directory {path.parent}") from err
         if fcntl is None:
             return tmp, fd
         try:
