@@ -235,11 +235,13 @@ def test_as_ids() -> None:
     assert validation.as_ids(7).tolist() == [7] and validation.as_ids([]).shape == (0,)
     with pytest.raises(ValueError, match="1-D"):
         validation.as_ids(np.zeros((2, 2), np.int64))
-    with pytest.raises(ValueError, match="integers"):
-        validation.as_ids([1.5])
+    for floats in ([1.5], [1.0, 2**63]):
+        with pytest.raises(ValueError, match="ids must be integers, got dtype float64"):
+            validation.as_ids(floats)
     with pytest.raises(ValueError, match="expected 3"):
         validation.as_ids([1, 2], n=3)
-    for bad in ([-1], [2**63 - 1], [2**63], np.array([2**64 - 1], np.uint64), [2**80], np.array([-3], np.int16)):
+    for bad in ([-1], [2**63 - 1], [2**63], np.array([2**64 - 1], np.uint64), [2**80], np.array([-3], np.int16),
+                [2**63, 5], (5, 2**64)):  # mixed with small ints, numpy would make these float64
         with pytest.raises(ValueError, match=r"ids must lie in \[0, 9223372036854775806\]"):
             validation.as_ids(bad)
     assert validation.as_ids(np.array([validation.MAX_ID], np.uint64)).tolist() == [validation.MAX_ID]

@@ -178,6 +178,9 @@ def as_ids(ids: Any, n: int | None = None, name: str = "ids") -> np.ndarray:
         arr = np.asarray(ids)
     except (OverflowError, ValueError) as err:
         raise ValueError(f"{name} must be a 1-D sequence of integers: {err}") from err
+    if arr.dtype.kind == "f" and isinstance(ids, (list, tuple)) and all(
+            isinstance(i, int) and not isinstance(i, bool) for i in ids):  # ints past int64 beside small ones: float64
+        arr = np.asarray(ids, dtype=object)
     if arr.ndim == 0:
         arr = arr.reshape(1)
     if arr.ndim != 1:
