@@ -31,6 +31,17 @@ def test_compressing_update_has_no_graph_break() -> None:
     assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
 
 
+def test_one_token_update_has_no_graph_break() -> None:
+    layer, g = _filled_layer()
+
+    def step(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        handle, _ = layer.update(k, v)
+        return handle.keys
+
+    explained = torch._dynamo.explain(step)(torch.randn(1, 2, 1, 64, generator=g), torch.randn(1, 2, 1, 64, generator=g))
+    assert explained.graph_break_count == 0 and not explained.break_reasons, [r.reason for r in explained.break_reasons]
+
+
 def test_compiled_update_refuses_non_finite_states() -> None:
     layer, g = _filled_layer()
     step = torch.compile(lambda k, v: layer.update(k, v)[0].keys, backend="eager", fullgraph=True)

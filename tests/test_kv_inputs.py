@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from tqvec.kv import TurboQuantCache  # noqa: E402
+from tqvec.kv import StaticTurboQuantCache, TurboQuantCache  # noqa: E402
 from tqvec.kv._requirements import require_transformers  # noqa: E402
 
 
@@ -38,10 +38,16 @@ IDS = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(0))
 
 
 @pytest.mark.parametrize("attn", [None, "sdpa", "eager"])
-def test_other_attention_fails_at_first_call_saying_what_to_do(attn: str | None) -> None:
+@pytest.mark.parametrize("tokens", [1, 4, 40])
+@pytest.mark.parametrize("cache_class", [TurboQuantCache, StaticTurboQuantCache])
+def test_other_attention_fails_at_first_call_saying_what_to_do(attn: str | None, tokens: int, cache_class: type) -> None:
+    """One token, a few, or more than sinks + window: the error names the cache class in use and the fix."""
     model = _model(attn)
-    with pytest.raises(TypeError, match=r"set_attn_implementation\('tqvec'\)"):
-        model(input_ids=IDS[:, :4], cache=TurboQuantCache(model.config, window=8, sinks=2))
+    cache = (TurboQuantCache(model.config, window=8, sinks=2) if cache_class is TurboQuantCache
+             else StaticTurboQuantCache(model.config, 64, window=8, sinks=2))
+    with pytest.raises(TypeError, match=rf"read {cache_class.__name__}'s compressed keys .*"
+                                        r"set_attn_implementation\('tqvec'\)"):
+        model(input_ids=IDS[:, :tokens], cache=cache)
 
 
 def test_tqvec_attention_runs_and_matches_dynamic_cache_at_8_bits() -> None:
@@ -84,6 +90,36 @@ def test_edge_bits_are_accepted() -> None:
 def test_bad_options_name_the_argument(name: str, value, error) -> None:
     with pytest.raises(error, match=name):
         TurboQuantCache(_config(), **{name: value})
+
+
+@pytest.mark.parametrize("bits", [1, 1.5, 1.99])
+def test_prod_keys_below_two_bits_are_refused_at_construction(bits: float) -> None:
+    """``prod`` spends a bit per channel on QJL signs: below 2 bits no code bits are left (it failed at the first
+    compressed step)."""
+    with pytest.raises(ValueError, match=r"key_bits: key_mode='prod' .* needs key_bits >= 2"):
+        TurboQuantCache(_config(), key_bits=bits, key_mode="prod")
+    TurboQuantCache(_config(), key_bits=2, key_mode="prod")
+
+
+def test_a_static_step_past_max_cache_len_raises_before_writing() -> None:
+    """On the CPU a one-token step that would overflow the static cache raises and leaves the cache as it was."""
+    model = _model("tqvec")
+    cache = StaticTurboQuantCache(model.config, 42, window=8, sinks=2)
+    with torch.no_grad():
+        model(input_ids=IDS, cache=cache)
+        model(input_ids=IDS[:, :1], cache=cache)
+        model(input_ids=IDS[:, :1], cache=cache)  # 42 tokens: full
+        before = [layer.lengths.clone() for layer in cache.layers]
+        with pytest.raises(ValueError, match=r"max_cache_len = 42 tokens: 42 cached \+ 1 new do not fit"):
+            model(input_ids=IDS[:, :1], cache=cache)
+    assert all(torch.equal(layer.lengths, b) for layer, b in zip(cache.layers, before))
+
+
+@pytest.mark.parametrize("keys, got", [(torch.ones(1, 2, 3, 16, dtype=torch.int64), r"torch.int64 \(1, 2, 3, 16\)"),
+                                       (torch.ones(2, 3, 16), r"torch.float32 \(2, 3, 16\)"), ([1.0], "list")])
+def test_bad_states_say_what_was_given(keys, got: str) -> None:
+    with pytest.raises(ValueError, match=rf"key_states must be a \(batch, heads, tokens, head_dim\) float tensor, got {got}"):
+        TurboQuantCache(_config()).update(keys, torch.ones(1, 2, 3, 16), 0)
 
 
 def test_config_none_or_the_model_itself() -> None:

@@ -134,6 +134,19 @@ def test_nbytes_is_exact_and_compressed() -> None:
     assert layer.nbytes() < 0.15 * (k.numel() + v.numel()) * 4
 
 
+def test_a_short_prefill_of_views_is_held_compactly_so_nbytes_stays_exact() -> None:
+    """Values that are views of a fused QKV projection's output (Phi-3) and keys past the sinks (a view of the prompt):
+    a prefill shorter than the window keeps its own copies, so the storage held equals ``nbytes``."""
+    _, k, v = _data(b=1, t=40)
+    fused = torch.cat([k, v, v], dim=-1)  # (b, h, t, 3d): values are a view of it
+    layer = _layer(4, window=128, sinks=4)
+    layer.update(k, fused[..., k.shape[-1]:2 * k.shape[-1]])
+    assert torch.equal(layer.values, v[:, :, 4:]) and torch.equal(layer.keys, k[:, :, 4:])
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in (layer.keys, layer.values, layer.sink_keys, layer.sink_values)}
+    assert sum(held.values()) == layer.nbytes()
+
+
 def test_fractional_bits_pick_outlier_channels_by_magnitude() -> None:
     codec = HeadCodec(64, 3.5)
     assert [(g.start, g.stop, g.quantizer.bits) for g in codec.groups] == [(0, 32, 4), (32, 64, 3)]

@@ -65,6 +65,14 @@ def _forget_launch(layer: "TurboQuantLayer") -> None:
     forget_launch(layer)
 
 
+def _compact(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a copy of it when it is a view into a larger storage (which holding ``x`` would keep alive, uncounted by
+    ``nbytes``). Traced by ``torch.compile``, ``x`` as it is (dynamo cannot read a storage's size)."""
+    if torch.compiler.is_compiling() or x.untyped_storage().nbytes() == x.numel() * x.element_size():
+        return x
+    return x.clone()
+
+
 @dataclass
 class CompressedKV:
     """What one layer's attention reads in one forward call.
@@ -91,22 +99,15 @@ class CompressedKV:
         return self.n_sinks + self.n_codes + self.keys.shape[2]
 
     def __getattr__(self, name: str):
-        """Any tensor attribute (``shape``, ``dtype``, ``transpose``…) means another attention function got the handle.
-
-        Raises ``TypeError`` saying how to select the ``tqvec`` attention (dunder lookups stay ``AttributeError``,
-        so copy / pickle protocols behave as usual).
-        """
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise TypeError(
-            f"an attention function other than 'tqvec' read TurboQuantCache's compressed keys (it asked for .{name}): "
-            "a TurboQuantCache is read by the 'tqvec' attention only. Call model.set_attn_implementation('tqvec') "
-            "(registered by importing tqvec.kv) before running the model with this cache.")
+        """Any tensor attribute means another attention function got the handle: :func:`~tqvec.kv.checks.refuse_tensor_use`."""
+        checks.refuse_tensor_use(self, name)
 
 
 class TurboQuantLayer(CacheLayerMixin):
     """One full-attention layer: TurboQuant codes for old tokens, full precision for the newest ``window``."""
 
+    #: the cache class that builds these layers (named in error messages)
+    cache_name = "TurboQuantCache"
     is_sliding = False
     is_croppable = True
 
@@ -166,8 +167,8 @@ class TurboQuantLayer(CacheLayerMixin):
             self.key_store.append(keys[:, :, :overflow], self.key_mean, self.key_perm, "key_states")
             self.value_store.append(values[:, :, :overflow], self.value_mean, self.value_perm, "value_states")
             self.keys, self.values = keys[:, :, overflow:].clone(), values[:, :, overflow:].clone()
-        else:
-            self.keys, self.values = keys, values
+        else:  # a short prefill's tokens may be views into a larger buffer (fused QKV, the sinks' tail): held compactly
+            self.keys, self.values = _compact(keys), _compact(values)
         return handle, handle
 
     def _init_statistics(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -327,6 +328,9 @@ class TurboQuantCache(CodedCache):
         text = checks.text_config(config)
         key_bits, value_bits = checks.check_bits("key_bits", key_bits), checks.check_bits("value_bits", value_bits)
         checks.check_choice("key_mode", key_mode, KEY_MODES)
+        if key_mode == "prod" and key_bits < 2:
+            raise ValueError(f"key_bits: key_mode='prod' spends one bit per channel on QJL signs and needs key_bits >= 2 "
+                             f"(got {key_bits:g}); use key_mode='mse' below 2 bits")
         checks.check_choice("split", split, SPLITS)
         for name, value, low in (("window", window, 0), ("sinks", sinks, 0), ("compress_chunk", compress_chunk, 1),
                                  ("seed", seed, 0)):

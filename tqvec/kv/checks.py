@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -86,11 +86,25 @@ def check_states(key_states: Any, value_states: Any, head_dim: int) -> None:
     """
     for name, x in (("key_states", key_states), ("value_states", value_states)):
         if not isinstance(x, torch.Tensor) or x.ndim != 4 or not x.is_floating_point():
-            raise ValueError(f"{name} must be a (batch, heads, tokens, head_dim) float tensor, got "
-                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+            got = (f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__)
+            raise ValueError(f"{name} must be a (batch, heads, tokens, head_dim) float tensor, got {got}")
         if x.shape[-1] != head_dim:
             raise ValueError(f"config: the cache was built for head_dim {head_dim}, but the model's {name} have "
                              f"head_dim {x.shape[-1]}; build the cache from the model's own config (model.config)")
     if key_states.shape[:3] != value_states.shape[:3]:
         raise ValueError(f"key_states {tuple(key_states.shape)} and value_states {tuple(value_states.shape)} differ "
                          "in (batch, heads, tokens)")
+
+
+def refuse_tensor_use(handle: object, name: str) -> NoReturn:
+    """Raise for a tensor attribute ``name`` (``shape``, ``dtype``, ``transpose``…) asked of a cache's read handle
+    ``handle`` (a ``CompressedKV`` or ``StaticKV``): another attention function got it. ``TypeError`` saying how to
+    select the ``tqvec`` attention and naming the cache class in use; dunder lookups stay ``AttributeError``, so copy
+    and pickle protocols behave as usual."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    cache = getattr(vars(handle).get("layer"), "cache_name", "TurboQuantCache")
+    raise TypeError(
+        f"an attention function other than 'tqvec' read {cache}'s compressed keys (it asked for .{name}): a {cache} "
+        "is read by the 'tqvec' attention only. Call model.set_attn_implementation('tqvec') (registered by importing "
+        "tqvec.kv) before running the model with this cache.")

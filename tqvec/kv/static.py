@@ -32,8 +32,9 @@ a prompt longer than ``sinks + window`` the dynamic :class:`~tqvec.kv.cache.Turb
 (tested).
 
 Limits: integer bit widths (one quantizer per side, what the CUDA kernel takes) and ``mse`` keys; at most
-``max_cache_len`` tokens (a multi-token update past it raises; a one-token step past it is not checked, as that check
-would synchronize); the one-token step does not check its keys and values for NaN or ±inf, for the same reason.
+``max_cache_len`` tokens (a multi-token update past it raises, and so does an eager one-token step on the CPU; on CUDA
+a one-token step past it is not checked, as that check would synchronize); the one-token step does not check its keys
+and values for NaN or ±inf, for the same reason.
 """
 from __future__ import annotations
 
@@ -89,6 +90,10 @@ class StaticKV:
 
     layer: "StaticTurboQuantLayer"
 
+    def __getattr__(self, name: str):
+        """Any tensor attribute means another attention function got the handle: :func:`~tqvec.kv.checks.refuse_tensor_use`."""
+        checks.refuse_tensor_use(self, name)
+
     def materialize(self) -> CompressedKV:
         """The same tokens as a :class:`~tqvec.kv.cache.CompressedKV` (window in position order), read on the host."""
         return self.layer.handle(*self.layer.lengths.tolist())
@@ -97,6 +102,8 @@ class StaticKV:
 class StaticTurboQuantLayer(CacheLayerMixin):
     """One full-attention layer of a :class:`StaticTurboQuantCache` (see the module docstring)."""
 
+    #: the cache class that builds these layers (named in error messages)
+    cache_name = "StaticTurboQuantCache"
     #: ``generate()`` compiles the model's forward for the steps after the prompt (and for a chunked prompt's chunks)
     #: with ``torch.compile(mode="reduce-overhead")`` on a GPU; multi-token updates run eagerly inside it
     is_compileable = True
@@ -213,6 +220,8 @@ class StaticTurboQuantLayer(CacheLayerMixin):
                 self.graphs.run("write", (self.buffer_token,), (key_states, value_states), self.write_one,
                                 lambda: tuple(self.buffers()))
             else:  # eager: the operator's body without its dispatch (which cost more than the step's kernels)
+                if not key_states.is_cuda:  # the host holds the length here (on CUDA reading it would synchronize)
+                    self._check_room(int(self.lengths[0]), 1)
                 self.write_one(key_states, value_states)
             handle = StaticKV(self)
             return handle, handle
@@ -252,6 +261,12 @@ class StaticTurboQuantLayer(CacheLayerMixin):
             buffer.index_copy_(2, slot, torch.where(in_window, x, occupant))
         self.lengths.copy_(torch.stack([total + 1, codes_end + evict.long()]))
 
+    def _check_room(self, total: int, t: int) -> None:
+        """``ValueError`` when ``t`` new tokens after ``total`` cached ones exceed ``max_cache_len``."""
+        if total + t > self.max_cache_len:
+            raise ValueError(f"the static cache holds max_cache_len = {self.max_cache_len} tokens: {total} cached + {t} "
+                             "new do not fit; build it with a larger max_cache_len")
+
     @torch.compiler.disable
     def _append_many(self, keys: torch.Tensor, values: torch.Tensor) -> CompressedKV:
         """Several tokens (eager, also inside a compiled model: it reads the lengths on the host and encodes with
@@ -259,9 +274,7 @@ class StaticTurboQuantLayer(CacheLayerMixin):
         compressed. Returns the handle of the codes before this call plus the exact tokens."""
         total, codes_end = self.lengths.tolist()
         t = keys.shape[2]
-        if total + t > self.max_cache_len:
-            raise ValueError(f"the static cache holds max_cache_len = {self.max_cache_len} tokens: {total} cached + {t} "
-                             "new do not fit; build it with a larger max_cache_len")
+        self._check_room(total, t)
         take = max(0, min(self.sinks - total, t))
         if take:
             self.sink_keys[:, :, total:total + take] = keys[:, :, :take]
