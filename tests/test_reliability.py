@@ -76,6 +76,7 @@ def test_search_results_never_put_nan_first(metric: str) -> None:
 
 
 # ------------------------------------------------------------------------------ 2: requires_grad input
+@pytest.mark.filterwarnings("ignore:correction='center' freezes its center:UserWarning")  # a few rows on purpose
 def test_input_that_requires_grad_is_detached() -> None:
     index = Index(DIM, 4, "ip", correction="center")
     ids = index.add(torch.randn(1, DIM, requires_grad=True))
@@ -90,6 +91,7 @@ def test_input_that_requires_grad_is_detached() -> None:
     assert ivf.reconstruct([0]).shape == (1, DIM)
 
 
+@pytest.mark.filterwarnings("ignore:correction='center' freezes its center:UserWarning")  # a few rows on purpose
 def test_requires_grad_index_saves(tmp_path: Path) -> None:
     index = Index(DIM, 4, "ip", correction="center")
     index.add(torch.randn(4, DIM, requires_grad=True))
