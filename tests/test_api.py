@@ -119,3 +119,13 @@ def test_docstring_examples_run(module: str) -> None:
 
     result = doctest.testmod(importlib.import_module(module), raise_on_error=False)
     assert result.attempted >= 1 and result.failed == 0
+
+
+@pytest.mark.parametrize("package", ["tqvec", "tqvec.kv", "tqvec.distributed"])
+def test_the_api_page_names_every_export(package: str) -> None:
+    """docs/api.md lists each package's ``__all__`` under the package's heading."""
+    pytest.importorskip({"tqvec.kv": "transformers", "tqvec.distributed": "ray"}.get(package, "numpy"))
+    text = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text(encoding="utf-8")
+    section = text.split(f"## `{package}`", 1)[1].split("\n## ", 1)[0]
+    missing = [name for name in importlib.import_module(package).__all__ if f"`{name}`" not in section]
+    assert not missing, missing
