@@ -42,30 +42,48 @@ def build_shards(
 ) -> dict[str, Any]:
     """Encode a collection into a :class:`ShardedIndex` directory with Ray Data; returns the manifest.
 
-    Args:
-        source_files: Parquet files with an int64 ``id_column`` and a ``vector_column`` of ``dim`` floats
-            per row, or ``.npy`` files of ``(n, dim)`` floats whose ids are the global row numbers (files
-            in the given order).
-        out_dir: the directory to write (created if missing); held under its writer lock throughout.
-        settings: the configuration of every shard's ``Index``.
-        n_shards: number of shards, ≥ 1.
-        routing: ``"hash"``, or ``"round_robin"`` for ``.npy`` sources.
-        center: ``(dim,)`` the centering vector to freeze (e.g. ``Index.center`` of a reference index) when
-            ``settings.correction == "center"``; None: the mean of all vectors, in one extra pass.
-        rows_per_task: rows per encoder batch, ≥ 1.
-        workers: encoder actors (default: the cluster's CPUs).
-
     ``map_batches`` runs the encoders, each writing, per batch, one part file per shard into a work folder
     inside ``out_dir``; one Ray task per shard then concatenates its parts into the shard file. Encodings
     equal those of one ``Index`` with the same settings (and center). Only plain ``Index`` shards.
 
-    Raises:
-        ValueError: bad arguments, bad source shapes, or an id that occurs twice. TimeoutError: another
-        writer holds ``out_dir``.
+    Parameters
+    ----------
+    source_files : sequence of path-like
+        Parquet files with an int64 ``id_column`` and a ``vector_column`` of ``dim`` floats per row, or ``.npy``
+        files of ``(n, dim)`` floats whose ids are the global row numbers (files in the given order).
+    out_dir : path-like
+        The directory to write (created if missing); held under its writer lock throughout.
+    settings : IndexSettings
+        The configuration of every shard's ``Index``.
+    n_shards : int
+        Number of shards, ≥ 1.
+    routing : {"hash", "round_robin"}
+        ``"round_robin"`` for ``.npy`` sources only.
+    center : array-like of shape (dim,), optional
+        The centering vector to freeze (e.g. ``Index.center`` of a reference index) when
+        ``settings.correction == "center"``; None: the mean of all vectors, in one extra pass.
+    id_column, vector_column : str
+        The Parquet columns of the ids and the vectors.
+    rows_per_task : int
+        Rows per encoder batch, ≥ 1.
+    workers : int, optional
+        Encoder actors (default: the cluster's CPUs).
 
-    Example::
+    Returns
+    -------
+    dict
+        The manifest written (:func:`read_manifest` reads it back).
 
-        >>> build_shards(["a.npy", "b.npy"], "out", IndexSettings(384), 4)  # doctest: +SKIP
+    Raises
+    ------
+    ValueError
+        Bad arguments, bad source shapes, or an id that occurs twice.
+    TimeoutError
+        Another writer holds ``out_dir``.
+
+    Examples
+    --------
+    >>> build_shards(["a.npy", "b.npy"], "out", IndexSettings(384), 4)  # doctest: +SKIP
     """
     files = [Path(f).resolve() for f in source_files]
     kinds = {f.suffix for f in files}

@@ -68,14 +68,27 @@ def file_entry(path: Path, count: int) -> dict[str, Any]:
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     """The checked manifest of a saved ``ShardedIndex`` directory.
 
-    Raises:
-        FileNotFoundError: no manifest in ``directory``.
-        tqvec.storage.StorageError: unreadable, of another kind or version, or inconsistent.
+    Parameters
+    ----------
+    directory : path-like
+        The directory ``ShardedIndex.save`` or :func:`build_shards` wrote.
 
-    Example::
+    Returns
+    -------
+    dict
+        The manifest: its kind, version, the shards' configuration and one entry per shard file.
 
-        >>> read_manifest(directory)["config"]["n_shards"]  # doctest: +SKIP
-        2
+    Raises
+    ------
+    FileNotFoundError
+        No manifest in ``directory``.
+    tqvec.storage.StorageError
+        Unreadable, of another kind or version, or inconsistent.
+
+    Examples
+    --------
+    >>> read_manifest(directory)["config"]["n_shards"]  # doctest: +SKIP
+    2
     """
     path = Path(directory) / MANIFEST
     try:

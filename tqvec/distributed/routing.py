@@ -14,16 +14,19 @@ ROUTINGS = ("hash", "round_robin")
 def splitmix64(ids: np.ndarray) -> np.ndarray:
     """SplitMix64 finalizer of each id.
 
-    Args:
-        ids: ``(n,)`` integers, read as int64 and then as uint64 (two's complement).
+    Parameters
+    ----------
+    ids : array-like of shape (n,)
+        Integers, read as int64 and then as uint64 (two's complement).
 
-    Returns:
-        ``(n,)`` uint64.
+    Returns
+    -------
+    numpy.ndarray of shape (n,), uint64
 
-    Example::
-
-        >>> hex(int(splitmix64(np.array([0]))[0]))
-        '0xe220a8397b1dcdaf'
+    Examples
+    --------
+    >>> hex(int(splitmix64(np.array([0]))[0]))
+    '0xe220a8397b1dcdaf'
     """
     z = np.asarray(ids, np.int64).astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -34,18 +37,24 @@ def splitmix64(ids: np.ndarray) -> np.ndarray:
 def shard_of(ids: np.ndarray, n_shards: int, routing: str = "hash") -> np.ndarray:
     """Shard number of each id.
 
-    Args:
-        ids: ``(n,)`` integer ids.
-        n_shards: number of shards, ≥ 1.
-        routing: ``"hash"`` or ``"round_robin"`` (module docstring).
+    Parameters
+    ----------
+    ids : array-like of shape (n,)
+        Integer ids.
+    n_shards : int
+        Number of shards, ≥ 1.
+    routing : {"hash", "round_robin"}
+        The rule (module docstring).
 
-    Returns:
-        ``(n,)`` int64 in ``[0, n_shards)``.
+    Returns
+    -------
+    numpy.ndarray of shape (n,), int64
+        Shard numbers in ``[0, n_shards)``.
 
-    Example::
-
-        >>> shard_of(np.arange(5), 2, "round_robin").tolist()
-        [0, 1, 0, 1, 0]
+    Examples
+    --------
+    >>> shard_of(np.arange(5), 2, "round_robin").tolist()
+    [0, 1, 0, 1, 0]
     """
     ids = np.asarray(ids, np.int64)
     if routing == "round_robin":
