@@ -366,8 +366,9 @@ def test_a_center_frozen_from_few_rows_warns_with_the_remedy() -> None:
     """The first add freezes the center; from fewer than MIN_CENTER_ROWS rows it warns (not from enough rows, nor after
     set_center)."""
     x = _data(300, 32)
-    with pytest.warns(UserWarning, match=r"freezes its center from 1 row\(s\), fewer than 100: .*set_center"):
+    with pytest.warns(UserWarning, match=r"freezes its center from 1 row\(s\), fewer than 100: .*set_center") as caught:
         Index(32, 8, metric="ip", correction="center").add(x[:1])
+    assert caught[0].filename == __file__  # the user's line
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Index(32, 8, metric="ip", correction="center").add(x[:MIN_CENTER_ROWS])

@@ -294,5 +294,6 @@ def test_direct_codes_are_centered_by_the_training_rows() -> None:
     index.train(sample)
     index.add(x[:1])
     assert torch.allclose(index._center, torch.from_numpy(sample).mean(0))
-    with pytest.warns(UserWarning, match=r"freezes its center from 20 row\(s\).*train on at least 100 rows"):
+    with pytest.warns(UserWarning, match=r"freezes its center from 20 row\(s\).*train on at least 100 rows") as caught:
         IVFIndex(DIM, 4, 4, metric="ip", encoding="direct", correction="center").train(sample[:20])
+    assert caught[0].filename == __file__  # the user's line

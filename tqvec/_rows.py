@@ -68,13 +68,15 @@ def side_fields_for(metric: str, mode: str, correction: str, unit_codes: bool | 
 MIN_CENTER_ROWS = 100
 
 
-def frozen_center(x: torch.Tensor, remedy: str) -> torch.Tensor:
+def frozen_center(x: torch.Tensor, remedy: str, caller_depth: int = 1) -> torch.Tensor:
     """The centering vector frozen from rows ``x`` ``(n, dim)`` (n ≥ 1): their mean, with a ``UserWarning`` naming
-    ``remedy`` when n < :data:`MIN_CENTER_ROWS` (every later code carries that mean's estimation error)."""
+    ``remedy`` when n < :data:`MIN_CENTER_ROWS` (every later code carries that mean's estimation error), attributed
+    to the user's line ``caller_depth`` frames above the caller of this function."""
     n = x.shape[0]
     if n < MIN_CENTER_ROWS:
         warnings.warn(f"correction='center' freezes its center from {n} row(s), fewer than {MIN_CENTER_ROWS}: its "
-                      f"error weighs on every code ({remedy}, or use correction='rescale')", UserWarning, stacklevel=3)
+                      f"error weighs on every code ({remedy}, or use correction='rescale')", UserWarning,
+                      stacklevel=2 + caller_depth)
     return x.mean(0)
 
 

@@ -213,7 +213,7 @@ class IVFIndex(CodedRows):
         self.centroids = kmeans(x, self.nlist, seed=self.seed, by_ip=self.metric == "ip",
                                 max_points=MAX_POINTS_PER_LIST * self.nlist)
         if self._center_pending:  # direct codes centered by the training rows' mean
-            self._center = frozen_center(x, CENTER_REMEDY)
+            self._center = frozen_center(x, CENTER_REMEDY, caller_depth=2)  # user → train / add → _train
             self._center_pending = False
 
     # ------------------------------------------------------------------ add
