@@ -147,6 +147,16 @@ def test_a_short_prefill_of_views_is_held_compactly_so_nbytes_stays_exact() -> N
     assert sum(held.values()) == layer.nbytes()
 
 
+@pytest.mark.parametrize("head_dim, bits, message", [
+    (1, 4, "head_dim must be >= 2, got 1"),
+    (2, 2.5, "bits=2.5 splits head_dim=2 into groups of 1 and 1 channels, and a group needs 2 at least"),
+    (64, 3.01, "bits=3.01 splits head_dim=64 into groups of 1 and 63 channels"),
+])
+def test_codecs_too_small_to_split_name_head_dim_and_bits(head_dim: int, bits: float, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        HeadCodec(head_dim, bits)
+
+
 def test_fractional_bits_pick_outlier_channels_by_magnitude() -> None:
     codec = HeadCodec(64, 3.5)
     assert [(g.start, g.stop, g.quantizer.bits) for g in codec.groups] == [(0, 32, 4), (32, 64, 3)]

@@ -32,7 +32,8 @@ def good(n: int = 4, dim: int = DIM) -> np.ndarray:
     ({"bits": -1}, "bits"), ({"bits": float("nan")}, "bits"), ({"bits": "4"}, "bits"), ({"bits": True}, "bits"),
     ({"mode": "fast"}, "mode"), ({"mode": "MSE"}, "mode"), ({"rotation": "dct"}, "rotation"),
     ({"dim": 0}, "dim"), ({"dim": 1}, "dim"), ({"dim": 2.0}, "dim"), ({"dim": -5}, "dim"),
-    ({"mode": "prod", "rescale": True}, "rescale"),
+    ({"mode": "prod", "rescale": True}, "rescale"), ({"seed": 1.5}, "seed"), ({"seed": -1}, "seed"),
+    ({"seed": True}, "seed"), ({"seed": None}, "seed"),
 ])
 def test_constructor_rejects(kwargs: dict, message: str) -> None:
     args = {"dim": DIM, **kwargs}

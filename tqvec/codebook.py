@@ -24,10 +24,25 @@ _CACHE_FORMAT = 2  # bump when the solver changes, so stale disk caches are igno
 
 @dataclass(frozen=True)
 class Codebook:
-    """Reconstruction ``levels`` (2**bits, ascending) and decision ``boundaries`` (2**bits − 1).
+    """The Lloyd–Max scalar quantizer of one coordinate of a random unit vector in R^dim (module docstring).
 
-    ``mse`` is the expected squared error of one coordinate; ``d * mse`` is the expected
-    ‖u − û‖² of a unit vector u.
+    Made by :func:`lloyd_max_codebook`; frozen, and shared by every caller of the same ``(dim, bits)``, so its
+    arrays must not be modified.
+
+    Attributes
+    ----------
+    dim : int
+        Dimension of the unit vectors whose coordinate density the codebook is solved for (≥ 3).
+    bits : int
+        Bits per coordinate, 1..8.
+    levels : numpy.ndarray of shape (2**bits,), dtype float64
+        Reconstruction levels, ascending and symmetric about 0.
+    boundaries : numpy.ndarray of shape (2**bits - 1,), dtype float64
+        Decision boundaries, ascending: the midpoints of adjacent ``levels``.
+    mse : float
+        Expected squared error of one coordinate.
+    unit_vector_mse : float
+        ``dim * mse``: the expected ‖u − û‖² of a unit vector u (read-only property).
     """
 
     dim: int
@@ -38,6 +53,7 @@ class Codebook:
 
     @property
     def unit_vector_mse(self) -> float:
+        """``dim * mse``: the expected ‖u − û‖² of a unit vector u."""
         return self.dim * self.mse
 
 
@@ -112,7 +128,41 @@ def _load_or_solve(dim: int, bits: int) -> tuple[np.ndarray, float]:
 
 @functools.cache
 def lloyd_max_codebook(dim: int, bits: int) -> Codebook:
-    """The Lloyd–Max codebook for coordinates of a random unit vector in R^dim at ``bits`` bits (1..8)."""
+    """The Lloyd–Max codebook for coordinates of a random unit vector in R^dim at ``bits`` bits.
+
+    Solved on first use, then cached in memory (the same object is returned for equal arguments) and on disk
+    (module docstring); an unwritable disk cache is skipped.
+
+    Parameters
+    ----------
+    dim : int
+        Dimension of the unit vectors, ≥ 3.
+    bits : int
+        Bits per coordinate, 1..8.
+
+    Returns
+    -------
+    Codebook
+        ``levels`` of shape ``(2**bits,)`` and ``boundaries`` of shape ``(2**bits - 1,)``, float64.
+
+    Raises
+    ------
+    ValueError
+        ``dim`` is not an integer ≥ 3, or ``bits`` not an integer in 1..8 (bools are refused).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> cb = lloyd_max_codebook(128, 2)
+    >>> cb.levels.shape, cb.boundaries.shape, cb.levels.dtype
+    ((4,), (3,), dtype('float64'))
+    >>> bool(np.allclose(cb.levels, -cb.levels[::-1]))  # symmetric about 0
+    True
+    >>> bool(np.allclose(cb.boundaries, (cb.levels[1:] + cb.levels[:-1]) / 2))
+    True
+    >>> lloyd_max_codebook(128, 3).mse < cb.mse  # one more bit, smaller error
+    True
+    """
     if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < 3:
         raise ValueError(f"dim must be an integer >= 3, got {dim!r}")
     if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= bits <= 8:

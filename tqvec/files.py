@@ -42,16 +42,43 @@ def file_kind(path: str | os.PathLike) -> str:
 
 
 def load(path: str | os.PathLike, **kwargs: Any) -> Any:
-    """Open a saved tqvec index, whatever its type: the class is chosen by the kind the file records.
+    """Open a saved tqvec index of any type, choosing the class by the kind its file records.
 
-    Parameters: ``path``, a file written by ``Index.save`` / ``IVFIndex.save`` or a directory written by
-    ``ShardedIndex.save`` (or its ``manifest.json``); ``kwargs`` go to that class's ``load`` (e.g.
-    ``mmap=True``, ``device="cuda"``; ``index_factory=...`` for sharded IVF indexes).
-    Returns an :class:`~tqvec.Index`, :class:`~tqvec.IVFIndex` or :class:`~tqvec.ShardedIndex`.
-    Raises ``FileNotFoundError`` for a missing path, :class:`~tqvec.storage.StorageError` for a file that is
-    not a tqvec index (or of a kind this version does not know), ``TypeError`` for a keyword the class's
-    ``load`` does not take, and ``ImportError`` naming the ``ray`` extra for a sharded index without Ray.
+    Parameters
+    ----------
+    path : str or os.PathLike
+        A file written by :meth:`Index.save <tqvec.Index.save>` or :meth:`IVFIndex.save <tqvec.IVFIndex.save>`,
+        or a directory written by :meth:`ShardedIndex.save <tqvec.distributed.ShardedIndex.save>` (or that
+        directory's ``manifest.json``).
+    **kwargs
+        Passed to the chosen class's ``load``, e.g. ``mmap=True``, ``device="cuda"`` (``Index``, ``IVFIndex``),
+        ``index_factory=...`` (a sharded index of IVF shards), ``timeout=...`` (``ShardedIndex``).
 
+    Returns
+    -------
+    Index or IVFIndex or ShardedIndex
+        The opened index, as that class's ``load`` returns it.
+
+    Raises
+    ------
+    FileNotFoundError
+        ``path`` does not exist.
+    tqvec.storage.StorageError
+        ``path`` is not a tqvec file (not a regular file, bad magic, truncated, corrupt header), is a directory
+        without a readable ``manifest.json``, records a kind this version does not open, or fails the chosen
+        class's own checks. ``StorageError`` is a subclass of ``ValueError``.
+    TypeError
+        A keyword the chosen class's ``load`` does not take.
+    ImportError
+        ``path`` holds a sharded index and Ray is not installed (the message names the ``ray`` extra).
+    ValueError
+        A ``device`` this machine lacks (``Index``, ``IVFIndex``).
+    tqvec.distributed.ShardError
+        A sharded index whose shard actors do not start within ``timeout``; :meth:`ShardedIndex.load
+        <tqvec.distributed.ShardedIndex.load>` lists its other errors.
+
+    Examples
+    --------
     >>> import numpy as np, tempfile, os, tqvec
     >>> index = tqvec.Index(16, bits=4)
     >>> _ = index.add(np.random.default_rng(0).standard_normal((100, 16)).astype(np.float32))

@@ -20,6 +20,7 @@ Seeds: Π comes from ``seed``; S from ``seed + QJL_SEED_OFFSET``.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -35,18 +36,30 @@ MODES = ("mse", "prod")
 QJL_SEED_OFFSET = 0x9E3779B1
 ENCODE_BLOCK_ROWS = 1 << 20  # rows per encode step: bounds temporaries (~0.5 GB at d = 128)
 #: CPU: at most this many rotated values per encode step, so that each step's temporaries stay in cache
-#: (2 MB of float32); measured 3x less CPU time than one step over GloVe's 390k × 50 (README, Index section)
+#: (2 MB of float32; docs/method.md, encode speed)
 ENCODE_BLOCK_VALUES = 1 << 19
 
 
 @dataclass
 class Codes:
-    """Encoded vectors. All tensors share one device; ``n`` rows.
+    """``n`` vectors encoded by one :class:`TurboQuantizer`; all tensors share one device.
 
-    * ``packed``: ``(n, layout.row_bytes)`` uint8 codebook indices (layout: :mod:`tqvec.packing`).
-    * ``scales``: ``(n,)`` float32, the multiplier of ⟨Πq, ŷ⟩: ‖x‖, or ‖x‖/⟨ŷ, Πu⟩ with ``rescale``.
-    * ``qjl``: ``(n, ceil(D/8))`` uint8 QJL sign bits (``prod`` mode only).
-    * ``residual_norms``: ``(n,)`` float32 ‖Πu − ŷ‖ of the unit vector (``prod`` mode only).
+    ``len(codes)`` is ``n``; ``codes[rows]`` selects rows (a slice, index tensor or boolean mask).
+
+    Attributes
+    ----------
+    packed : torch.Tensor of shape (n, layout.row_bytes), dtype uint8
+        Packed codebook indices of the rotated unit vector (layout: :mod:`tqvec.packing`).
+    scales : torch.Tensor of shape (n,), dtype float32
+        The multiplier of ⟨Πq, ŷ⟩: ‖x‖, or with ``rescale`` ‖x‖/⟨ŷ, Πu⟩ (‖x‖ where that alignment is ≤ 0).
+    qjl : torch.Tensor of shape (n, ceil(D / 8)), dtype uint8, or None
+        QJL sign bits of the residual, ``D`` the rotated dimension (``prod`` mode only).
+    residual_norms : torch.Tensor of shape (n,), dtype float32, or None
+        ‖Πu − ŷ‖ of the unit vector u = x/‖x‖ (``prod`` mode only).
+    nbytes : int
+        Bytes held by all stored fields (read-only property).
+    device : torch.device
+        The device of the tensors (read-only property).
     """
 
     packed: torch.Tensor
@@ -64,6 +77,7 @@ class Codes:
 
     @property
     def device(self) -> torch.device:
+        """The device of the tensors."""
         return self.packed.device
 
     def _tensors(self) -> list[torch.Tensor]:
@@ -74,6 +88,7 @@ class Codes:
         return Codes(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows] for f in fields(self)})
 
     def to(self, device: torch.device | str) -> "Codes":
+        """The same codes on ``device`` (tensors already there are not copied)."""
         return Codes(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device) for f in fields(self)})
 
     @staticmethod
@@ -175,8 +190,8 @@ class TurboQuantizer:
 
     Raises
     ------
-    ValueError, TypeError
-        An argument out of its range or choices, named in the message.
+    ValueError
+        An argument of the wrong type, out of its range or choices, named in the message.
 
     Examples
     --------
@@ -200,6 +215,8 @@ class TurboQuantizer:
         check_choice("rotation", rotation, ROTATION_KINDS)
         if rescale and mode != "mse":
             raise ValueError("rescale applies to mode='mse' only (prod scores are already unbiased)")
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         self.seed, self.rescale = int(seed), bool(rescale)
         self.rotation = make_rotation(rotation, self.dim, self.seed)
         self.rotated_dim = self.rotation.out_dim
@@ -226,8 +243,38 @@ class TurboQuantizer:
     @classmethod
     def for_bytes(cls, dim: int, code_bytes: int, mode: str = "mse", *, rotation: str = "haar", seed: int = 0,
                   rescale: bool = False) -> "TurboQuantizer":
-        """The quantizer whose packed codes (and, in ``prod`` mode, QJL bits) fill at most ``code_bytes`` bytes
-        per vector, bits spread as evenly as possible over the rotated channels."""
+        """The quantizer whose codes fill at most ``code_bytes`` bytes per vector.
+
+        ``code_bytes`` counts the packed codes and, in ``prod`` mode, the QJL sign bits, not the float32 scale and
+        residual norm (:attr:`bits_per_vector` counts everything). Bits are spread as evenly as possible over the
+        rotated channels (``b + 1`` and ``b`` bits per channel).
+
+        Parameters
+        ----------
+        dim : int
+            Vector dimension (≥ 2).
+        code_bytes : int
+            Bytes of codes per vector.
+        mode, rotation, seed, rescale
+            As in :class:`TurboQuantizer`.
+
+        Returns
+        -------
+        TurboQuantizer
+            Its ``bits`` reports the realised rate.
+
+        Raises
+        ------
+        ValueError
+            ``code_bytes`` leaves no room for codes (0 in ``mse`` mode, fewer than the ``ceil(D / 8)`` bytes of QJL
+            bits in ``prod`` mode, ``D`` the rotated dimension), or an argument the constructor refuses.
+
+        Examples
+        --------
+        >>> tq = TurboQuantizer.for_bytes(64, 20)
+        >>> tq.layout.row_bytes, tq.bits
+        (20, 2.5)
+        """
         channels = rotated_dim(check_choice("rotation", rotation, ROTATION_KINDS), dim)
         mse_bytes = code_bytes - (math.ceil(channels / 8) if mode == "prod" else 0)
         if mse_bytes < 0 or (mode == "mse" and mse_bytes == 0):
@@ -257,14 +304,39 @@ class TurboQuantizer:
 
     # ------------------------------------------------------------------ device caches
     def table(self, device: torch.device | str) -> scan.CodeTable:
-        """Layout and codebook levels on ``device``."""
+        """The layout and codebook levels on ``device``, copied there once.
+
+        Parameters
+        ----------
+        device : torch.device or str
+
+        Returns
+        -------
+        tqvec.scan.CodeTable
+            Its ``levels`` are ``(n_segments, 256)`` float32: row ``s`` holds segment ``s``'s levels, zero-padded.
+        """
         device = torch.device(device)
         if device not in self._tables:
             self._tables[device] = self._tables[torch.device("cpu")].to(device)
         return self._tables[device]
 
     def qjl_matrix(self, device: torch.device | str) -> torch.Tensor:
-        """The QJL projection S, ``(D, D)`` float32 on ``device`` (``prod`` mode only)."""
+        """The QJL projection ``S`` on ``device``, copied there once (``prod`` mode only).
+
+        Parameters
+        ----------
+        device : torch.device or str
+
+        Returns
+        -------
+        torch.Tensor of shape (D, D), dtype float32
+            ``D`` the rotated dimension.
+
+        Raises
+        ------
+        ValueError
+            In ``mse`` mode.
+        """
         if self._qjl_cpu is None:
             raise ValueError("QJL matrix exists in mode='prod' only")
         device = torch.device(device)
@@ -274,12 +346,49 @@ class TurboQuantizer:
 
     # ------------------------------------------------------------------ encode / decode
     def encode(self, x: Any) -> Codes:
-        """Encode ``x`` ``(n, dim)`` (numpy or torch, float16/32/64) into :class:`Codes` on ``x``'s device."""
+        """Encode vectors into :class:`Codes` on ``x``'s device.
+
+        Parameters
+        ----------
+        x : numpy.ndarray or torch.Tensor of shape (n, dim)
+            Finite floats (float16/32/64, or bfloat16 for torch), converted to float32; ``n`` may be 0.
+
+        Returns
+        -------
+        Codes
+            torch tensors, also for numpy input (then on the CPU): ``packed`` ``(n, layout.row_bytes)`` uint8,
+            ``scales`` ``(n,)`` float32 and, in ``prod`` mode, ``qjl`` ``(n, ceil(D / 8))`` uint8 and
+            ``residual_norms`` ``(n,)`` float32.
+
+        Raises
+        ------
+        ValueError
+            ``x`` is not a float numpy array or torch tensor of shape ``(n, dim)``, holds NaN or ±Inf, or has a row
+            whose squared norm exceeds :data:`tqvec.validation.MAX_SQUARED_NORM`.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> tq = TurboQuantizer(64, bits=3, mode="prod")
+        >>> codes = tq.encode(np.random.default_rng(0).standard_normal((5, 64)))
+        >>> type(codes.packed).__name__, tuple(codes.packed.shape), tuple(codes.qjl.shape)
+        ('Tensor', (5, 16), (5, 8))
+        """
         return self.encode_checked(as_float_matrix(x, self.dim, "x"))
 
     def encode_checked(self, x: torch.Tensor) -> Codes:
-        """:meth:`encode` for input already checked by :func:`~tqvec.validation.as_float_matrix` (finite float32
-        ``(n, dim)``, contiguous): callers that validated once skip the second pass over the data."""
+        """:meth:`encode` without its input checks, for callers that validated once.
+
+        Parameters
+        ----------
+        x : torch.Tensor of shape (n, dim), dtype float32
+            Already checked by :func:`~tqvec.validation.as_float_matrix`: finite, contiguous.
+
+        Returns
+        -------
+        Codes
+            As :meth:`encode`, on ``x``'s device.
+        """
         n = x.shape[0]
         rows = ENCODE_BLOCK_ROWS if x.is_cuda else min(ENCODE_BLOCK_ROWS, max(1, ENCODE_BLOCK_VALUES // self.rotated_dim))
         if n <= rows:
@@ -337,8 +446,22 @@ class TurboQuantizer:
         return Codes(packed, scales, signs, torch.linalg.vector_norm(residual, dim=1))
 
     def boundary_table(self, device: torch.device) -> torch.Tensor:
-        """The Triton kernels' ``(n_segments, 256)`` float32 table of decision boundaries on ``device`` (cached;
-        :func:`tqvec.kernels.ops.boundary_table`)."""
+        """The Triton kernels' table of decision boundaries on ``device``, made once per device.
+
+        Parameters
+        ----------
+        device : torch.device
+
+        Returns
+        -------
+        torch.Tensor of shape (n_segments, 256), dtype float32
+            Row ``s``: segment ``s``'s ascending boundaries, zero-padded (:func:`tqvec.kernels.ops.boundary_table`).
+
+        Raises
+        ------
+        ImportError
+            Triton is not installed (:mod:`tqvec.kernels` needs it).
+        """
         from .kernels import ops  # noqa: PLC0415 - Triton is optional
 
         if device not in self._boundary_tables:
@@ -360,7 +483,26 @@ class TurboQuantizer:
         return Codes(packed, scales, signs, torch.linalg.vector_norm(residual, dim=1))
 
     def decode(self, codes: Codes) -> torch.Tensor:
-        """Reconstruct ``(n, dim)`` float32 vectors from ``codes`` (in ``prod`` mode including the QJL term)."""
+        """Reconstruct vectors from ``codes``, in ``prod`` mode including the QJL term.
+
+        Parameters
+        ----------
+        codes : Codes
+            ``n`` rows made by this quantizer's :meth:`encode`.
+
+        Returns
+        -------
+        torch.Tensor of shape (n, dim), dtype float32
+            On ``codes.device``.
+
+        Examples
+        --------
+        >>> import torch
+        >>> tq = TurboQuantizer(50, bits=2, rotation="hadamard")  # D = 64 rotated channels
+        >>> y = tq.decode(tq.encode(torch.randn(3, 50)))
+        >>> tuple(y.shape), y.dtype
+        ((3, 50), torch.float32)
+        """
         rotated = scan.dequantize(codes.packed, self.table(codes.device))
         if self.mode == "prod":
             signs = unpack_signs(codes.qjl, self.rotated_dim)
@@ -369,8 +511,34 @@ class TurboQuantizer:
         return self.rotation.inverse(rotated) * codes.scales[:, None]
 
     def code_norms(self, packed: torch.Tensor) -> torch.Tensor:
-        """‖ŷ‖ ``(n,)`` float32 of each packed row's ``mse`` codes, from the codes alone (padding bits ignored):
-        a per-byte table of summed squared levels for 1/2/4/8-bit segments, a constant for 1-bit ones."""
+        """‖ŷ‖ of each packed row's ``mse`` codes, from the codes alone (padding bits ignored).
+
+        1-bit segments add a constant, 2/4/8-bit ones a per-byte table of summed squared levels, other widths
+        their unpacked levels.
+
+        Parameters
+        ----------
+        packed : torch.Tensor of shape (n, layout.row_bytes), dtype uint8
+            ``Codes.packed`` of this quantizer.
+
+        Returns
+        -------
+        torch.Tensor of shape (n,), dtype float32
+            On ``packed``'s device.
+
+        Raises
+        ------
+        ValueError
+            ``packed`` is not uint8 of shape ``(n, layout.row_bytes)``.
+
+        Examples
+        --------
+        >>> import torch
+        >>> tq = TurboQuantizer(64, bits=4)  # haar: decode keeps the norm, ‖x̂‖ = scale · ‖ŷ‖
+        >>> codes = tq.encode(torch.randn(3, 64))
+        >>> bool(torch.allclose(tq.code_norms(codes.packed) * codes.scales, tq.decode(codes).norm(dim=1), rtol=1e-4))
+        True
+        """
         layout, n = self.layout, packed.shape[0]
         if packed.ndim != 2 or packed.shape[1] != layout.row_bytes or packed.dtype != torch.uint8:
             raise ValueError(f"packed must be uint8 (n, {layout.row_bytes}), got {packed.dtype} {tuple(packed.shape)}")
@@ -401,24 +569,96 @@ class TurboQuantizer:
 
     # ------------------------------------------------------------------ scoring
     def rotate_queries(self, queries: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rotated queries ``Πq`` ``(nq, D)`` and, in ``prod`` mode, their QJL projections ``SΠq``."""
+        """Rotate queries for scoring: ``Πq`` and, in ``prod`` mode, the QJL projections ``SΠq``.
+
+        Parameters
+        ----------
+        queries : numpy.ndarray or torch.Tensor of shape (nq, dim)
+            Checked and converted as in :meth:`encode`.
+
+        Returns
+        -------
+        rotated : torch.Tensor of shape (nq, D), dtype float32
+            ``D`` the rotated dimension (> ``dim`` where ``"hadamard"`` pads); on the queries' device (the CPU for
+            numpy input).
+        projected : torch.Tensor of shape (nq, D), dtype float32, or None
+            None in ``mse`` mode.
+
+        Raises
+        ------
+        ValueError
+            ``queries`` fails the checks of :meth:`encode`.
+        """
         return self.rotate_checked(as_float_matrix(queries, self.dim, "queries"))
 
     def rotate_checked(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:meth:`rotate_queries` for queries already checked by :func:`~tqvec.validation.as_float_matrix`."""
+        """:meth:`rotate_queries` without its input checks.
+
+        Parameters
+        ----------
+        q : torch.Tensor of shape (nq, dim), dtype float32
+            Already checked by :func:`~tqvec.validation.as_float_matrix`.
+
+        Returns
+        -------
+        rotated, projected : torch.Tensor of shape (nq, D) float32, and the same or None
+            As :meth:`rotate_queries`.
+        """
         rotated = self.rotation.forward(q, rowwise=False)  # queries are never stored: the faster product
         projected = rotated @ self.qjl_matrix(q.device).T if self.mode == "prod" else None
         return rotated, projected
 
     def code_block(self, codes: Codes, bias: torch.Tensor | None = None) -> scan.CodeBlock:
-        """The scan's view of ``codes``: per-vector scale, optional additive ``bias`` ``(n,)``, QJL terms."""
+        """The scan's view of ``codes``: per-vector scale, optional additive bias, QJL terms.
+
+        Parameters
+        ----------
+        codes : Codes
+            ``n`` rows of this quantizer.
+        bias : torch.Tensor of shape (n,), dtype float32, optional
+            Added to every score of its row.
+
+        Returns
+        -------
+        tqvec.scan.CodeBlock
+            Holds ``codes``'s tensors (not copied); in ``prod`` mode also ``sign_scale`` ``(n,)`` float32.
+        """
         if self.mode == "mse":
             return scan.CodeBlock(codes.packed, codes.scales, bias)
         gain = math.sqrt(math.pi / 2) / self.rotated_dim
         return scan.CodeBlock(codes.packed, codes.scales, bias, codes.qjl, codes.scales * codes.residual_norms * gain)
 
     def inner_product(self, queries: Any, codes: Codes) -> torch.Tensor:
-        """Estimated ⟨q, x⟩ ``(nq, n)`` float32 for ``queries`` ``(nq, dim)``, computed blockwise on the codes' device."""
+        """Estimated inner products ⟨q, x⟩ of every query with every encoded vector, on the codes' device.
+
+        The estimate of each mode is in the module docstring (unbiased in ``prod`` mode).
+
+        Parameters
+        ----------
+        queries : numpy.ndarray or torch.Tensor of shape (nq, dim)
+            Checked and converted as in :meth:`encode`, then moved to ``codes.device``.
+        codes : Codes
+            ``n`` vectors encoded by this quantizer.
+
+        Returns
+        -------
+        torch.Tensor of shape (nq, n), dtype float32
+            On ``codes.device``; a torch tensor also for numpy queries.
+
+        Raises
+        ------
+        ValueError
+            ``queries`` fails the checks of :meth:`encode`.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> rng = np.random.default_rng(0)
+        >>> tq = TurboQuantizer(64, bits=4)
+        >>> scores = tq.inner_product(rng.standard_normal((2, 64)), tq.encode(rng.standard_normal((100, 64))))
+        >>> type(scores).__name__, tuple(scores.shape), scores.dtype
+        ('Tensor', (2, 100), torch.float32)
+        """
         rotated, projected = self.rotate_queries(queries)
         rotated = rotated.to(codes.device)
         projected = None if projected is None else projected.to(codes.device)

@@ -76,21 +76,29 @@ def merge_topk(parts: Sequence[tuple[np.ndarray, np.ndarray]], k: int, metric: s
                nq: int) -> tuple[np.ndarray, np.ndarray]:
     """K-way merge of per-shard results.
 
-    Args:
-        parts: per shard ``(D, I)``, each ``(nq, k_s)`` with ``k_s ≤ k``, best first.
-        k: results per query.
-        metric: ``"l2"`` (smallest first) or a similarity metric (largest first).
-        nq: number of queries.
+    Parameters
+    ----------
+    parts : sequence of (D, I)
+        Per shard, ``(nq, k_s)`` float32 scores and int64 ids with ``k_s ≤ k``, best first.
+    k : int
+        Results per query.
+    metric : str
+        ``"l2"`` (smallest first) or a similarity metric (largest first).
+    nq : int
+        Number of queries.
 
-    Returns:
-        ``(D, I)`` ``(nq, k)`` float32 / int64. Equal scores come in id order (as one index answers); with
-        fewer than ``k`` results the tail is −1 with ∓inf.
+    Returns
+    -------
+    D : numpy.ndarray of shape (nq, k), float32
+    I : numpy.ndarray of shape (nq, k), int64
+        Equal scores come in id order (as one index answers); with fewer than ``k`` results the tail is −1 with
+        ∓inf.
 
-    Example::
-
-        >>> D, I = merge_topk([(np.array([[3.0]], np.float32), np.array([[7]]))], 2, "ip", nq=1)
-        >>> I.tolist()
-        [[7, -1]]
+    Examples
+    --------
+    >>> D, I = merge_topk([(np.array([[3.0]], np.float32), np.array([[7]]))], 2, "ip", nq=1)
+    >>> I.tolist()
+    [[7, -1]]
     """
     pad = np.inf if metric == "l2" else -np.inf
     D = np.concatenate([*(d for d, _ in parts), np.full((nq, k), pad, np.float32)], axis=1)
@@ -100,29 +108,54 @@ def merge_topk(parts: Sequence[tuple[np.ndarray, np.ndarray]], k: int, metric: s
 
 
 class ShardedIndex:
-    """An index split over ``n_shards`` Ray actors (package docstring: routing, scores, files, failures).
+    """An index split over ``n_shards`` Ray actors, searched by scatter-gather.
 
-    Args:
-        index: the shards' configuration: :class:`IndexSettings` (a plain ``Index`` per shard), or a
-            picklable zero-argument callable returning an index with the ``Index`` contract (e.g.
-            ``functools.partial(IVFIndex, 384, 64)``).
-        n_shards: number of shard actors, ≥ 1.
-        routing: ``"hash"`` or ``"round_robin"`` (:mod:`tqvec.distributed.routing`).
-        max_restarts: Ray restarts per actor.
-        actor_options: passed to Ray's ``.options`` (e.g. ``{"num_cpus": 1}``).
-        timeout: seconds any one call may wait (module docstring: failures), > 0; 120 leaves room for cold actor starts.
+    Routing, scores and files: the package docstring; failures and timeouts: the module docstring. Ray is
+    initialized on first use unless the caller did it. Shards run on CPU. Methods may be called from several
+    threads. Used as a context manager, the actors are killed on exit (:meth:`close`).
 
-    Raises:
-        ValueError: a bad argument (named). ``ShardError``: actors that did not start within ``timeout``.
+    Parameters
+    ----------
+    index : IndexSettings or callable
+        The shards' configuration: :class:`IndexSettings` (a plain ``Index`` per shard), or a picklable
+        zero-argument callable returning an index with the ``Index`` contract (e.g.
+        ``functools.partial(IVFIndex, 384, 64)``).
+    n_shards : int
+        Number of shard actors, ≥ 1.
+    routing : {"hash", "round_robin"}, keyword-only
+        Which shard holds an id (:mod:`tqvec.distributed.routing`).
+    max_restarts : int, keyword-only
+        Ray restarts per actor.
+    actor_options : dict, optional, keyword-only
+        Passed to Ray's ``.options`` (e.g. ``{"num_cpus": 1}``).
+    timeout : float, keyword-only
+        Seconds any one call may wait (module docstring), > 0; 120 leaves room for cold actor starts.
 
-    Ray is initialized on first use unless the caller did it. Shards run on CPU. Methods may be called
-    from several threads.
+    Attributes
+    ----------
+    dim : int
+        Vector dimension, as the shards report it.
+    metric : str
+        The shards' metric.
+    n_shards, routing, timeout
+        The arguments, checked.
 
-    Example::
+    Raises
+    ------
+    ValueError
+        A bad ``index``, ``n_shards``, ``routing`` or ``timeout``, named in the message; or shards that disagree
+        on class, ``dim`` or metric (an ``index`` callable whose indexes differ).
+    ShardError
+        Actors that did not start (or answer) within ``timeout``; the ones started are killed.
 
-        >>> with ShardedIndex(IndexSettings(384, bits=4, metric="cosine"), 2) as index:  # doctest: +SKIP
-        ...     ids = index.add(x)
-        ...     D, I = index.search(q, 10)
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from tqvec.distributed import IndexSettings, ShardedIndex
+    >>> x = np.random.default_rng(0).standard_normal((1000, 384)).astype(np.float32)
+    >>> with ShardedIndex(IndexSettings(384, bits=4, metric="cosine"), 2) as index:  # doctest: +SKIP
+    ...     ids = index.add(x)
+    ...     D, I = index.search(x[:5], 10)
     """
 
     def __init__(self, index: IndexSettings | Callable[[], Any], n_shards: int, *, routing: str = "hash",
@@ -275,18 +308,33 @@ class ShardedIndex:
 
     # ------------------------------------------------------------------ mutations
     def add(self, x: Any, ids: Any = None) -> np.ndarray:
-        """Add vectors; not atomic across shards (module docstring).
+        """Add vectors, each to the shard its id routes to; not atomic across shards (module docstring).
 
-        Args:
-            x: ``(n, dim)`` floats.
-            ids: ``(n,)`` int64, unique (default: consecutive; must be None with ``round_robin``).
+        An error raised inside a shard's index (e.g. ``ValueError`` for an id it already holds) is re-raised, as
+        its own type, once every shard has replied; the other shards keep their part.
 
-        Returns:
-            The ids ``(n,)`` int64.
+        Parameters
+        ----------
+        x : numpy.ndarray or torch.Tensor of shape (n, dim)
+            Finite floats, checked as :meth:`Index.add <tqvec.index.Index.add>` checks them.
+        ids : array-like of shape (n,), optional
+            Distinct integer ids in ``[0, 2**63 − 2]``; default: consecutive, after the largest id so far. Must be
+            None with ``routing="round_robin"``.
 
-        Raises:
-            ValueError: bad ``x`` or ``ids``. ShardError: a shard is lost (nothing is sent), or a shard
-            failed or turned out lost during this call (the other shards keep their part).
+        Returns
+        -------
+        numpy.ndarray of shape (n,), dtype int64
+            The ids.
+
+        Raises
+        ------
+        ValueError
+            Bad ``x`` or ``ids`` (also duplicates, or ``ids`` given with ``round_robin``); nothing is sent.
+        ShardError
+            A shard is lost (nothing is sent), or a shard failed or turned out lost during this call (the other
+            shards keep their part).
+        RuntimeError
+            The index is closed.
         """
         x_t = as_float_matrix(x, self.dim, "x", "cpu")
         n = x_t.shape[0]
@@ -312,8 +360,29 @@ class ShardedIndex:
         return ids
 
     def remove(self, ids: Any) -> int:
-        """Remove ``ids`` ``(n,)``; returns the count. Raises ``KeyError`` for an unknown id (other shards keep
-        their removals) and ``ShardError`` as :meth:`add`."""
+        """Remove the vectors with these ids; not atomic across shards (module docstring).
+
+        Parameters
+        ----------
+        ids : array-like of shape (n,)
+            Integer ids; repeated ids count once.
+
+        Returns
+        -------
+        int
+            The number of distinct ids removed.
+
+        Raises
+        ------
+        ValueError
+            Bad ``ids``; nothing is sent.
+        KeyError
+            An unknown id: its shard removes nothing, the other shards keep their removals.
+        ShardError
+            As :meth:`add`.
+        RuntimeError
+            The index is closed.
+        """
         ids = np.unique(as_ids(ids))
         with self._lock:
             self._raise_if_lost()
@@ -325,20 +394,40 @@ class ShardedIndex:
     # ------------------------------------------------------------------ reads
     def search(self, queries: Any, k: int, rerank: int | None = None, *, allow_partial: bool = False,
                **options: Any) -> tuple[np.ndarray, ...]:
-        """Top-``k`` over all shards, as :meth:`Index.search`.
+        """Top-``k`` over all shards, as :meth:`Index.search <tqvec.index.Index.search>`.
 
-        Args:
-            queries: ``(nq, dim)`` floats.
-            k: results per query, ≥ 1.
-            rerank, options: passed to every shard's ``search`` (e.g. ``nprobe=`` of an IVF index).
-            allow_partial: return what the answering shards found instead of raising.
+        An error raised by a shard's ``search`` (e.g. for an option it does not take) is re-raised as its own type.
 
-        Returns:
-            ``(D, I)`` ``(nq, k)`` (best first; −1 and ∓inf padding), or with ``allow_partial``
-            ``(D, I, missing)``: ``missing`` the sorted tuple of shards that did not answer or are lost.
+        Parameters
+        ----------
+        queries : numpy.ndarray or torch.Tensor of shape (nq, dim)
+            Finite floats.
+        k : int
+            Results per query, ≥ 1.
+        rerank : int, optional
+            Passed to every shard's ``search``, when given.
+        allow_partial : bool, keyword-only
+            Return what the answering shards found instead of raising :class:`ShardError`.
+        **options
+            Passed to every shard's ``search`` (e.g. ``nprobe=`` of an IVF index).
 
-        Raises:
-            ShardError: a shard is still down after ``timeout`` (retried meanwhile) or is lost.
+        Returns
+        -------
+        D : numpy.ndarray of shape (nq, k), dtype float32
+            Scores (best = largest) or, for ``"l2"``, squared distances (best = smallest); ∓inf padding.
+        I : numpy.ndarray of shape (nq, k), dtype int64
+            Ids, best first; −1 where fewer than ``k`` results exist.
+        missing : tuple of int
+            Only with ``allow_partial``: the sorted shards that did not answer or are lost.
+
+        Raises
+        ------
+        ValueError
+            Bad ``queries`` or ``k``.
+        ShardError
+            Without ``allow_partial``: a shard still down after ``timeout`` (retried meanwhile), or lost.
+        RuntimeError
+            The index is closed.
         """
         k = check_positive_int("k", k)
         q = as_float_array(queries, self.dim, "queries")
@@ -353,7 +442,28 @@ class ShardedIndex:
         return (D, I, tuple(sorted(missing))) if allow_partial else (D, I)
 
     def reconstruct(self, ids: Any) -> np.ndarray:
-        """Decoded vectors ``(len(ids), dim)`` float32 (unknown id: ``KeyError``; lost shard: ``ShardError``)."""
+        """Decoded vectors of ``ids``, in their order.
+
+        Parameters
+        ----------
+        ids : array-like of shape (n,)
+            Integer ids.
+
+        Returns
+        -------
+        numpy.ndarray of shape (n, dim), dtype float32
+
+        Raises
+        ------
+        ValueError
+            Bad ``ids``.
+        KeyError
+            An unknown id.
+        ShardError
+            A shard holding one of ``ids`` is still down after ``timeout`` (retried meanwhile), or lost.
+        RuntimeError
+            The index is closed.
+        """
         ids = as_ids(ids)
         parts = route(ids, self.n_shards, self.routing)
         replies = self._call("reconstruct", {s: (ids[p],) for s, p in parts.items()}, retry=True)
@@ -364,7 +474,20 @@ class ShardedIndex:
         return out
 
     def shard_sizes(self) -> list[int]:
-        """Vectors held by each shard."""
+        """Vectors held by each shard.
+
+        Returns
+        -------
+        list of int
+            One count per shard, in shard order.
+
+        Raises
+        ------
+        ShardError
+            A shard still down after ``timeout`` (retried meanwhile), or lost.
+        RuntimeError
+            The index is closed.
+        """
         counts = self._call("count", {s: () for s in range(self.n_shards)}, retry=True)
         self._raise_if_lost()
         return counts
@@ -390,10 +513,27 @@ class ShardedIndex:
     def save(self, path: str | os.PathLike) -> None:
         """Save every shard and then the manifest into directory ``path`` (:mod:`tqvec.distributed.manifest`).
 
-        Holds the directory's writer lock (waiting up to ``timeout`` for another writer: ``TimeoutError``)
-        and first deletes what crashed writers left there. Saving to a directory other than the current
-        one re-creates the actors from the files just written, so that a restarted shard reloads from there.
-        Raises ``ShardError`` if a shard is lost or fails; the directory then keeps its previous save.
+        Holds the directory's writer lock and first deletes what crashed writers left there. Saving to a directory
+        other than the current one re-creates the actors from the files just written, so that a restarted shard
+        reloads from there.
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+            The directory; created if missing.
+
+        Raises
+        ------
+        TimeoutError
+            Another writer held the directory's lock for ``timeout`` seconds.
+        ShardError
+            A shard is lost, or down; the directory then keeps its previous save. Also when, after a save to a new
+            directory, the re-created actors do not start within ``timeout``: the save is complete, the index closed.
+        OSError
+            The directory or its lock file cannot be created; an error a shard's own save raises is re-raised as
+            its type (the directory keeps its previous save).
+        RuntimeError
+            The index is closed.
         """
         directory = Path(path).resolve()
         directory.mkdir(parents=True, exist_ok=True)
@@ -425,12 +565,42 @@ class ShardedIndex:
              timeout: float = 120.0) -> ShardedIndex:
         """Open a directory written by :meth:`save` or :func:`build_shards`: one actor per shard file.
 
-        Every shard file's SHA-256 is recomputed first (one read of each, several at a time), so a corrupt
-        or swapped file raises ``StorageError`` naming its shard before any actor starts. Leftovers of
-        crashed writers are deleted when no writer holds the directory (skipped if read-only).
-        Shards made by an ``index_factory`` need the same factory here (its class's ``load`` reads them).
-        ``mmap``: map the shard files read-only instead of reading them. Other arguments as the constructor;
-        ``ShardError`` if the actors do not start within ``timeout``.
+        Every shard file's SHA-256 is recomputed first (one read of each, several at a time), so a corrupt or
+        swapped file is refused before any actor starts. Leftovers of crashed writers are deleted when no writer
+        holds the directory (skipped if read-only).
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+            The directory.
+        index_factory : callable, optional, keyword-only
+            The factory that made the shards, if one did (its class's ``load`` reads them); None for plain
+            ``Index`` shards.
+        mmap : bool, keyword-only
+            Map the shard files read-only instead of reading them.
+        max_restarts, actor_options, timeout : keyword-only
+            As in the constructor.
+
+        Returns
+        -------
+        ShardedIndex
+
+        Raises
+        ------
+        FileNotFoundError
+            ``path`` holds no ``manifest.json``.
+        tqvec.storage.StorageError
+            An unreadable, corrupt or foreign manifest or index settings; a shard file missing, corrupt or from
+            another save (named); shards that hold different centers.
+        ValueError
+            ``index_factory`` given for plain ``Index`` shards or missing for factory-made ones; shards of another
+            class than the manifest records, or that disagree; a bad ``timeout``.
+        ShardError
+            Actors that did not start within ``timeout``.
+
+        Examples
+        --------
+        >>> index = ShardedIndex.load("my-index", mmap=True)  # doctest: +SKIP
         """
         directory = Path(path).resolve()
         manifest = read_manifest(directory)

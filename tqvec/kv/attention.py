@@ -484,6 +484,19 @@ def tqvec_mask(*args, **kwargs) -> torch.Tensor | None:
 
 
 def register() -> None:
-    """Register ``"tqvec"`` with transformers' ``AttentionInterface`` and ``AttentionMaskInterface``."""
+    """Register the ``"tqvec"`` attention and mask functions with transformers.
+
+    Adds :func:`tqvec_attention_forward` to ``AttentionInterface`` and :func:`tqvec_mask` to
+    ``AttentionMaskInterface`` under :data:`NAME`, so that ``model.set_attn_implementation("tqvec")`` selects them.
+    Importing :mod:`tqvec.kv` calls it; calling it again registers the same functions again (no effect).
+
+    Examples
+    --------
+    >>> from transformers import AttentionInterface
+    >>> from tqvec.kv import register
+    >>> register()
+    >>> "tqvec" in AttentionInterface()
+    True
+    """
     AttentionInterface.register(NAME, tqvec_attention_forward)
     AttentionMaskInterface.register(NAME, tqvec_mask)
