@@ -156,6 +156,49 @@ def saved(tmp_path_factory, data) -> tuple[Path, Index]:
     return directory, single
 
 
+def test_an_index_emptied_by_remove_keeps_its_center_across_save_and_load(data, tmp_path):
+    """All rows removed, saved, reopened: the frozen center stays, so adds work as on one Index (the shards' center
+    was read only from shards holding rows, and the next add froze another, which the shards refused)."""
+    x, q, ids = data
+    settings = IndexSettings(DIM, 4, "ip", correction="center", seed=2)
+    single = settings.new_index()
+    single.add(x[:500], ids[:500])
+    single.remove(ids[:500])
+    single.add(2 * x[500:510], ids[500:510])
+    with ShardedIndex(settings, 2, timeout=START_TIMEOUT) as sharded:
+        sharded.add(x[:500], ids[:500])
+        sharded.remove(ids[:500])
+        sharded.save(tmp_path / "emptied")  # a first save to a directory: the actors restart from its files
+        sharded.add(2 * x[500:510], ids[500:510])
+        assert np.array_equal(sharded.center, single.center)
+        D, I = sharded.search(q, K)
+    D1, I1 = single.search(q, K)
+    assert np.array_equal(D, D1) and np.array_equal(I, I1)
+    with ShardedIndex.load(tmp_path / "emptied", timeout=START_TIMEOUT) as reopened:
+        assert np.array_equal(reopened.center, single.center)
+        reopened.add(2 * x[500:510], ids[500:510])
+        assert len(reopened) == 10
+
+
+def test_a_center_frozen_from_a_small_first_add_warns_as_on_one_index(data):
+    x, _, ids = data
+    with ShardedIndex(IndexSettings(DIM, 4, "ip", correction="center"), 2, timeout=START_TIMEOUT) as sharded:
+        with pytest.warns(UserWarning, match=r"freezes its center from 3 row\(s\)") as caught:
+            sharded.add(x[:3], ids[:3])
+    assert caught[0].filename == __file__
+
+
+def test_a_closed_index_refuses_calls_and_says_so(data, tmp_path):
+    x, q, ids = data
+    with ShardedIndex(IndexSettings(DIM, 4, "ip"), 2, timeout=START_TIMEOUT) as sharded:
+        sharded.add(x[:100], ids[:100])
+    assert repr(sharded).endswith(", closed)")
+    for call in (lambda: sharded.search(q, K), lambda: sharded.add(x[:1]), lambda: sharded.save(tmp_path / "never")):
+        with pytest.raises(RuntimeError, match="this ShardedIndex is closed"):
+            call()
+    assert not (tmp_path / "never").exists()  # the refused save left no directory or lock file
+
+
 @pytest.fixture(scope="module")
 def loaded(saved):
     """The saved index, loaded once for the tests below (the last one leaves it lost)."""

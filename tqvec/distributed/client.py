@@ -28,6 +28,7 @@ import torch
 from ray.exceptions import RayActorError, RayTaskError
 
 from .. import storage
+from .._rows import frozen_center
 from ..validation import as_float_array, as_float_matrix, as_ids, check_choice, check_positive_int
 from .actor import Epoch, ShardActor
 from .manifest import (
@@ -59,10 +60,11 @@ def _last_line(err: BaseException) -> str:
 
 
 def _first_center(x: torch.Tensor, metric: str) -> np.ndarray:
-    """The center ``Index.add`` freezes for first batch ``x`` ``(n, dim)`` float32: same ops, same bits."""
+    """The center ``Index.add`` freezes for first batch ``x`` ``(n, dim)`` float32: same ops, same bits, and the same
+    warning when the batch is small (:func:`~tqvec._rows.frozen_center`, attributed to the caller of ``add``)."""
     if metric == "cosine":
         x = torch.nn.functional.normalize(x, dim=1)
-    return x.mean(0).numpy()
+    return frozen_center(x, "pass a larger first batch to add, or use correction='rescale'", caller_depth=2).numpy()
 
 
 def _check_timeout(timeout: Any) -> float:
@@ -220,7 +222,8 @@ class ShardedIndex:
                              f"{sorted({(i['class'], i['dim'], i['metric']) for i in infos})}")
         self.index_class: str = classes.pop()
         self.dim, self.metric = infos[0]["dim"], infos[0]["metric"]
-        centers = {tuple(i["center"]) for i in infos if i["center"] is not None and i["count"]}
+        held = [i for i in infos if i["center"] is not None]  # shards emptied by remove keep theirs
+        centers = {tuple(i["center"]) for i in held if i["count"]} or {tuple(i["center"]) for i in held}
         if self._settings is not None and len(centers) > 1:
             raise storage.StorageError("shards hold different centers: their scores are not comparable")
         self._center = np.array(centers.pop(), np.float32) if centers else None
@@ -240,7 +243,7 @@ class ShardedIndex:
 
     def __repr__(self) -> str:
         return (f"ShardedIndex(dim={self.dim}, n_shards={self.n_shards}, metric={self.metric!r}, "
-                f"routing={self.routing!r}, index_class={self.index_class!r})")
+                f"routing={self.routing!r}, index_class={self.index_class!r}{'' if self._actors else ', closed'})")
 
     # ------------------------------------------------------------------ calls
     def _call(self, method: str, args: dict[int, tuple], *, retry: bool = False, mutates: bool = False,
@@ -535,6 +538,8 @@ class ShardedIndex:
         RuntimeError
             The index is closed.
         """
+        if not self._actors:  # before touching the disk: a closed index leaves no directory or lock behind
+            raise RuntimeError("this ShardedIndex is closed")
         directory = Path(path).resolve()
         directory.mkdir(parents=True, exist_ok=True)
         with self._lock, writer_lock(directory, self.timeout):
