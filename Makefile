@@ -7,8 +7,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tqvec-installed
 DATASET ?= glove-50-angular
 BITS ?= 1 2 3 4
+.DEFAULT_GOAL := help
 
-.PHONY: run bench test test-fast lint install distortion clean-venv
+.PHONY: help run bench test test-fast lint install distortion clean-venv
 
 $(STAMP): pyproject.toml Makefile CMakeLists.txt $(wildcard csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +22,13 @@ $(STAMP): pyproject.toml Makefile CMakeLists.txt $(wildcard csrc/*)
 	touch $(STAMP)
 
 install: $(STAMP)
+
+help:
+	@echo "make run        the quick demo: tqvec beside FAISS at equal bytes on GloVe-50 (table + plot in build/demo)"
+	@echo "make test       lint and the whole test suite (what CI runs); make test-fast: without slow, model, gpu tests"
+	@echo "make bench      tqvec bench ann: the full comparison (DATASET=$(DATASET), BITS='$(BITS)')"
+	@echo "make distortion tqvec bench distortion: measured distortion against theory"
+	@echo "make lint       ruff; make install: the .venv every target creates first; make clean-venv removes it"
 
 run: $(STAMP)
 	$(VENV)/bin/tqvec demo --out build/demo

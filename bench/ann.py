@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 import tqvec
 from tqvec import Index
+from tqvec.bench._cli import positive_int
 from tqvec.datasets import AnnDataset, load
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -243,10 +244,10 @@ def evaluate(method: Method, ds: AnnDataset, metric: str, nq: int, threads: int)
 
 
 # ---------------------------------------------------------------- output
-def markdown(rows: list[Row], title: str, command: str) -> str:
+def markdown(rows: list[Row], title: str, command: str, timed_queries: int) -> str:
     lines = [f"# {title}", "", f"`{command}`", "",
              f"Recall over all queries (except where a note says otherwise); QPS: best of 3 batch searches of the "
-             f"first {QPS_QUERIES} queries, k = 10. "
+             f"first {timed_queries} queries, k = 10. "
              "bytes/vec: codes + per-vector side information (ids excluded for every method; tqvec stores "
              "int64 ids on top, FAISS flat indexes store none). Gap to RaBitQ: recall@10 of the row minus the "
              "best RaBitQ row at the same bit width.", "",
@@ -313,9 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tqvec bench ann", description=__doc__.splitlines()[0])
     parser.add_argument("--dataset", default="glove-50-angular", help="registry name or ann-benchmarks .hdf5 path")
     parser.add_argument("--bits", type=float, nargs="+", default=[1, 2, 3, 4])
-    parser.add_argument("--queries", type=int, default=1000, help="first N test queries")
+    parser.add_argument("--queries", type=positive_int, default=1000, help="first N test queries")
     parser.add_argument("--rerank", type=int, default=4, help="R for the re-ranking rows (R·k candidates)")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="threads for the 'all' QPS")
+    parser.add_argument("--threads", type=positive_int, default=torch.get_num_threads(), help="threads for the 'all' QPS")
     parser.add_argument("--only", default="", help="comma-separated method-name substrings to run (debugging)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
@@ -338,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     stem = args.out / f"ann_{ds.name}"
     command = "tqvec bench ann " + shlex.join(argv if argv is not None else sys.argv[1:])
     title = f"{ds.name}: {len(ds.train):,} × {dim}, {args.queries:,} queries"
-    text = markdown(rows, title, command)
+    text = markdown(rows, title, command, min(QPS_QUERIES, args.queries))
     environment = {"python": platform.python_version(), "torch": torch.__version__, "tqvec": tqvec.__version__,
                    "machine": platform.machine(), "threads": args.threads}
     stem.with_suffix(".md").write_text(text)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from tqvec import TurboQuantizer
+from tqvec.bench._cli import positive_int
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 KJV_FILE = "kjv-minilm-384-angular.hdf5"
@@ -136,11 +137,11 @@ def encode_main(argv: list[str] | None = None) -> None:
     import faiss  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(prog="tqvec bench encode", description=encode_main.__doc__)
-    parser.add_argument("--n", type=int, default=100_000)
-    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--n", type=positive_int, default=100_000)
+    parser.add_argument("--dim", type=positive_int, default=128)
     parser.add_argument("--bits", type=int, nargs="+", default=[2, 4], choices=[2, 4])
-    parser.add_argument("--repeats", type=int, default=2, help="tqvec and SQ timings: best of this many runs")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--repeats", type=positive_int, default=2, help="tqvec and SQ timings: best of this many runs")
+    parser.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     command = command_line()
@@ -213,11 +214,11 @@ def distortion_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))
     parser.add_argument("--bits", type=float, nargs="+", default=list(DISTORTION_BITS))
     parser.add_argument("--rotations", nargs="+", default=["haar", "hadamard"], choices=["haar", "hadamard"])
-    parser.add_argument("--n", type=int, default=30_000, help="encoded vectors per data set (KJV: 30,102 − holdout)")
-    parser.add_argument("--holdout", type=int, default=5_000, help="rows held out of the encoded set as queries")
-    parser.add_argument("--pairs", type=int, default=20_000, help="random (query, vector) pairs for inner-product error")
+    parser.add_argument("--n", type=positive_int, default=30_000, help="encoded vectors per data set (KJV: at most 30,102 − holdout)")
+    parser.add_argument("--holdout", type=positive_int, default=5_000, help="rows held out of the encoded set as queries")
+    parser.add_argument("--pairs", type=positive_int, default=20_000, help="random (query, vector) pairs for inner-product error")
     parser.add_argument("--ip-seeds", type=int, default=10, help="quantizer seeds the pairs are split over (≥ 2)")
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--threads", type=positive_int, default=1,
                         help="torch/faiss threads (accuracy figures do not depend on it; 1 avoids OpenMP contention)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -266,7 +267,7 @@ def distortion_main(argv: list[str] | None = None) -> None:
                ("mse_ratio", "ratio"), ("ip_mean_error", "IP err mean"), ("ip_mean_error_se", "± SE"), ("ip_seed_mean_spread", "seed spread"),
                ("ip_error_var", "IP err var"), ("ip_var_bound", "paper bound")]
     notes = (
-        f"{len(rows)} configurations; n = {args.n} encoded vectors per set (KJV: all 30,102 − {args.holdout}); "
+        f"{len(rows)} configurations; n = {args.n} encoded vectors per set (KJV: at most 30,102 − {args.holdout}); "
         f"{args.pairs} random (query, vector) pairs, queries from {args.holdout} held-out rows, split over "
         f"{args.ip_seeds} quantizer seeds (SE from the per-seed means; 'seed spread' = their std). Theory: `mse` — `expected_unit_mse`, the Lloyd–Max "
         "codebook MSE of the exact coordinate density summed over the D rotated channels; `prod` decode — "

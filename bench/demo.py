@@ -28,6 +28,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from tqvec.bench._cli import positive_int
+
 DIM = 50
 
 
@@ -157,11 +159,11 @@ def plot(results: list[Result], title: str, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns the exit status."""
     parser = argparse.ArgumentParser(prog="tqvec demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=100_000, help="base vectors (of 390,000)")
-    parser.add_argument("--queries", type=int, default=500, help="held-out queries (of 10,000)")
+    parser.add_argument("--n", type=positive_int, default=100_000, help="base vectors (of 390,000)")
+    parser.add_argument("--queries", type=positive_int, default=500, help="held-out queries (of 10,000)")
     parser.add_argument("--bits", type=float, nargs="+", default=[2, 4], help="tqvec bits per dimension")
     parser.add_argument("--out", type=Path, default=Path("tqvec-demo"), help="folder for the table and plot")
-    parser.add_argument("--threads", type=int, default=1, help="threads for torch and FAISS alike (build and search)")
+    parser.add_argument("--threads", type=positive_int, default=1, help="threads for torch and FAISS alike (build and search)")
     args = parser.parse_args(argv)
     if any(not 1 <= b <= 8 for b in args.bits):
         parser.error(f"--bits must lie in [1, 8], got {args.bits}")

@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tqvec.bench._cli import positive_int
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 K = 10
 BATCH_RUNS = 7  # timed batch calls of each library, alternating; the best counts
@@ -178,8 +180,8 @@ def markdown(result: dict[str, Any], command: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tqvec bench native-cpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset", default="kjv-minilm-384-angular", help="registered name or ann-benchmarks HDF5 path")
-    p.add_argument("--queries", type=int, default=1000)
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads of the batch runs")
+    p.add_argument("--queries", type=positive_int, default=1000)
+    p.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1, help="threads of the batch runs")
     p.add_argument("--skip-memory", action="store_true", help="leave out the 1M × 128 memory run")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)

@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from tqvec.bench._cli import positive_int
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 K = 10
 EPSILON = 1e-3
@@ -286,9 +288,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", required=True, help="registered name (glove-50-angular, kjv-minilm-384-angular, "
                    "mnist-784-euclidean, synthetic-<n>-<d>) or an ann-benchmarks HDF5 path")
     p.add_argument("--batch", action="store_true", help="all queries in one call (default: one at a time)")
-    p.add_argument("--threads", type=int, default=1, help="threads for builds and queries (default 1)")
-    p.add_argument("--queries", type=int, default=1000, help="use the first N test queries (default 1000)")
-    p.add_argument("--runs", type=int, default=3, help="timed runs per query-argument set; the best counts")
+    p.add_argument("--threads", type=positive_int, default=1, help="threads for builds and queries (default 1)")
+    p.add_argument("--queries", type=positive_int, default=1000, help="use the first N test queries (default 1000)")
+    p.add_argument("--runs", type=positive_int, default=3, help="timed runs per query-argument set; the best counts")
     p.add_argument("--run-cap", type=float, default=5.0, help="a run longer than this (s) is not repeated")
     p.add_argument("--arg-cap", type=float, default=30.0, help="skip the larger arguments of a build once one "
                    "run took longer than this (s)")

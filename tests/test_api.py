@@ -114,7 +114,7 @@ def test_cli_lists_every_benchmark_and_the_demo(capsys: pytest.CaptureFixture[st
 
 @pytest.mark.parametrize("module", ["tqvec.files", "tqvec.index", "tqvec.ivf", "tqvec.quantizer", "tqvec.validation",
                                     "tqvec.rotation", "tqvec.storage", "tqvec._fastscan", "tqvec.kv._requirements",
-                                    "tqvec.codebook", "tqvec.kv.codec", "tqvec.kv.attention"])
+                                    "tqvec.codebook", "tqvec.kv.codec", "tqvec.kv.attention", "tqvec.bench._cli"])
 def test_docstring_examples_run(module: str) -> None:
     import doctest
 
@@ -130,3 +130,26 @@ def test_the_api_page_names_every_export(package: str) -> None:
     section = text.split(f"## `{package}`", 1)[1].split("\n## ", 1)[0]
     missing = [name for name in importlib.import_module(package).__all__ if f"`{name}`" not in section]
     assert not missing, missing
+
+
+@pytest.mark.parametrize("argv, message", [(["bogus"], "tqvec: unknown command 'bogus'"),
+                                           (["bench", "nosuch"], "tqvec: unknown benchmark 'nosuch'"),
+                                           (["bench"], "tqvec: tqvec bench needs a benchmark name")])
+def test_cli_names_what_it_does_not_know(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == message and "usage: tqvec" in err
+
+
+def test_cli_bench_help_is_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["bench", "--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: tqvec")
+
+
+@pytest.mark.parametrize("argv", [["encode", "--n", "-5"], ["sweep", "--dataset", "glove-50-angular", "--queries", "0"],
+                                  ["ann", "--queries", "0"], ["native-cpu", "--threads", "0"]])
+def test_benchmark_counts_must_be_positive(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """A count of 0 or less is a usage error (it ran before, and wrote tables of negative QPS or divided by zero)."""
+    with pytest.raises(SystemExit) as done:
+        cli_main(["bench", *argv])
+    assert done.value.code == 2 and "must be a positive integer" in capsys.readouterr().err

@@ -63,7 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     if command == "bench" and rest and rest[0] in known:
         result = known[rest[0]].load()(rest[1:])
         return result if isinstance(result, int) else 0
-    print(usage(), file=sys.stderr)
+    if command == "bench" and rest and rest[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    unknown = (f"unknown benchmark {rest[0]!r}" if command == "bench" and rest else "tqvec bench needs a benchmark name"
+               if command == "bench" else f"unknown command {command!r}")
+    print(f"tqvec: {unknown}\n\n{usage()}", file=sys.stderr)
     return 2
 
 
