@@ -476,6 +476,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--topk", action="store_true", help="only compare torch.topk and the Triton top-k kernels "
                         "(N = 1M, d = 128, 4 bits, nq 1 / 100 / 10000), writing gpu_topk.json / .md under --out")
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("the GPU scan benchmark needs a CUDA GPU (torch.cuda.is_available() is False)")
     if args.check or args.sweep or args.topk:
         ok = check() if args.check else True
         if args.topk:

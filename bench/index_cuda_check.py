@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nq", type=int, default=100)
     parser.add_argument("--out", type=Path, default=Path("index_cuda_check.json"))
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("this check compares CUDA and CPU indexes: it needs a CUDA GPU (torch.cuda.is_available() is False)")
     rows = [check(m, b, mode, args.n, dim or args.dim, args.nq) for m, b, mode, dim in CASES]
     for row in rows:
         print(row)

@@ -45,8 +45,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--key-modes", nargs="+", default=["mse", "prod"], choices=["mse", "prod"])
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--quanto-bits", type=int, nargs="*", default=[2, 4])
-    p.add_argument("--passkey-lengths", type=int, nargs="*", default=[1024, 2048, 4096])
-    p.add_argument("--passkey-depths", type=float, nargs="*", default=[0.2, 0.4, 0.6, 0.8])
+    p.add_argument("--passkey-lengths", type=int, nargs="+", default=[1024, 2048, 4096])
+    p.add_argument("--passkey-depths", type=float, nargs="+", default=[0.2, 0.4, 0.6, 0.8])
     p.add_argument("--passkey-keys", type=int, default=2, help="random keys per (length, depth)")
     p.add_argument("--passkey-seed", type=int, default=0)
     p.add_argument("--passkey-key-modes", nargs="*", default=["mse"], choices=["mse", "prod"],

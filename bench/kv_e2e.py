@@ -810,6 +810,8 @@ def main(argv: list[str] | None = None) -> None:
     parts = [x for x in args.parts.split(",") if x]
     if not parts or set(parts) - set(PARTS):
         p.error(f"--parts: a comma list of {', '.join(PARTS)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA GPU here (torch.cuda.is_available() is False)")
     if args.new_tokens < SKIP_STEPS + 2:
         p.error(f"--new-tokens must be at least {SKIP_STEPS + 2} (generate()'s tokens/s skips {SKIP_STEPS} steps)")
     tiny = args.tiny

@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: no CUDA GPU here (torch.cuda.is_available() is False)")
     torch.set_num_threads(args.threads)
     cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_attention_heads=args.heads[0],
                       num_key_value_heads=args.heads[1], head_dim=args.head_dim, num_hidden_layers=args.layers,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import tqvec
 from tqvec import storage
@@ -153,3 +154,17 @@ def test_benchmark_counts_must_be_positive(argv: list[str], capsys: pytest.Captu
     with pytest.raises(SystemExit) as done:
         cli_main(["bench", *argv])
     assert done.value.code == 2 and "must be a positive integer" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+@pytest.mark.parametrize("argv", [["gpu-scan"], ["index-cuda-check"], ["kv-step", "--device", "cuda"],
+                                  ["kv-e2e", "--device", "cuda"]])
+def test_gpu_benchmarks_say_they_need_cuda(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        cli_main(["bench", *argv])
+    assert done.value.code == 2 and "CUDA GPU" in capsys.readouterr().err
+
+
+def test_an_unknown_data_set_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["bench", "sweep", "--dataset", "nosuch"]) == 2
+    assert capsys.readouterr().err.startswith("tqvec bench sweep: error: unknown data set 'nosuch'")

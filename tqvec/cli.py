@@ -61,7 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         return int(datasets_main(rest) or 0)
     known = benchmarks()
     if command == "bench" and rest and rest[0] in known:
-        result = known[rest[0]].load()(rest[1:])
+        from tqvec.datasets import DatasetError  # noqa: PLC0415 - the data sets load with the benchmark
+
+        try:
+            result = known[rest[0]].load()(rest[1:])
+        except DatasetError as err:  # an unknown or unreadable data set: a usage error, not a traceback
+            print(f"tqvec bench {rest[0]}: error: {err}", file=sys.stderr)
+            return 2
         return result if isinstance(result, int) else 0
     if command == "bench" and rest and rest[0] in ("-h", "--help"):
         print(usage())
