@@ -29,6 +29,7 @@ import numpy as np
 import ray
 import torch
 
+from tqvec.bench._cli import positive_int
 from tqvec.datasets import load
 from tqvec.distributed import IndexSettings, ShardedIndex, build_shards
 from tqvec.index import Index
@@ -145,9 +146,12 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="tqvec bench sharded", description=__doc__.splitlines()[0])
-    parser.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--cpus", type=int, default=os.cpu_count())
+    parser.add_argument("--shards", type=positive_int, nargs="+", default=[1, 2, 4], help="shard counts to time")
+    parser.add_argument("--cpus", type=positive_int, default=os.cpu_count(),
+                        help="CPUs of the local Ray cluster, at least 2 (default: this machine's)")
     args = parser.parse_args(argv)
+    if args.cpus < 2:
+        parser.error("--cpus: at least 2 (build_shards runs Ray Data's read task beside its encoders)")
     parallelism = cpu_parallelism(args.cpus)
     data = load("kjv-minilm-384-angular")
     x, q, truth = data.train.astype(np.float32), data.test.astype(np.float32), data.neighbors

@@ -417,6 +417,14 @@ def test_build_shards_parquet_matches_single_index(data, tmp_path):
         assert np.array_equal(I, I1) and np.array_equal(D, D1)
 
 
+def test_build_shards_refuses_more_encoders_than_the_cluster_can_run(data, tmp_path):
+    """2 CPUs (the module's cluster) hold 2 encoders of 0.5 CPU and a read task; 4 encoders would wait forever."""
+    np.save(tmp_path / "a.npy", data[0][:100])
+    with pytest.raises(ValueError, match=r"workers=4: .* need 3 CPUs, the Ray cluster has 2"):
+        build_shards([tmp_path / "a.npy"], tmp_path / "out", IndexSettings(DIM, 4, "ip"), 2, workers=4)
+    assert not (tmp_path / "out").exists()
+
+
 def test_build_shards_npy_row_ids_and_computed_center(data, tmp_path):
     x, q, _ = data
     np.save(tmp_path / "a.npy", x[:1000])

@@ -77,7 +77,8 @@ def build_shards(
     Raises
     ------
     ValueError
-        Bad arguments, bad source shapes, or an id that occurs twice.
+        Bad arguments, bad source shapes, an id that occurs twice, or more ``workers`` than the cluster's CPUs can run
+        beside a read task (Ray Data would wait forever).
     TimeoutError
         Another writer holds ``out_dir``.
 
@@ -100,7 +101,12 @@ def build_shards(
         center = as_float_matrix(np.asarray(center).reshape(1, -1), settings.dim, "center").numpy()[0]
     if not ray.is_initialized():
         ray.init()
-    workers = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+    cpus = float(ray.cluster_resources().get("CPU", 1))
+    workers = workers or max(1, int(cpus))
+    if workers * ENCODER_CPUS + 1 > cpus:  # Ray Data would wait for CPUs forever
+        raise ValueError(f"workers={workers}: {workers} encoders ({ENCODER_CPUS:g} CPU each) and Ray Data's read task "
+                         f"(1 CPU) need {workers * ENCODER_CPUS + 1:g} CPUs, the Ray cluster has {cpus:g}: pass fewer "
+                         "workers, or give Ray at least 2 CPUs")
     ds = _read_parquet(files, id_column, vector_column, routing) if kinds == {".parquet"} \
         else _read_npy(files, settings.dim, rows_per_task)
     if settings.correction == "center" and center is None:
