@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from tqvec.validation import check_positive_int
+
 
 def positive_int(text: str) -> int:
     """``argparse`` type of a count: an int ≥ 1, else a usage error naming the value.
@@ -17,9 +19,6 @@ def positive_int(text: str) -> int:
     argparse.ArgumentTypeError: must be a positive integer, got '-5'
     """
     try:
-        value = int(text)
+        return check_positive_int("count", int(text))
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None

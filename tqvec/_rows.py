@@ -240,9 +240,9 @@ class CodedRows:
             fewest_bits = math.ceil(800 * (side + qjl + 1) / self.dim) / 100  # one byte of codes at least
             remedy = (f"use bits >= {fewest_bits:g}" if fewest_bits <= 8 else
                       f"even 8 bits are too few at dim={self.dim} for this metric's side information")
-            raise ValueError(f"bits={self.bits:g}: {self.row_bytes} bytes per vector at dim={self.dim}, of which the "
-                             f"side information {tuple(self.side_fields)} takes {side}{' and the QJL bits ' if qjl else ''}"
-                             f"{qjl if qjl else ''}, leaves no room for codes: {remedy}") from err
+            taken = f"the side information {tuple(self.side_fields)} takes {side}" + (f" and the QJL bits {qjl}" if qjl else "")
+            raise ValueError(f"bits={self.bits:g}: {self.row_bytes} bytes per vector at dim={self.dim}, of which {taken}, "
+                             f"leaves no room for codes: {remedy}") from err
 
     def _empty_tensors(self) -> dict[str, torch.Tensor]:
         """Zero-row tensors of every stored field, on ``device``."""

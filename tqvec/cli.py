@@ -59,24 +59,30 @@ def main(argv: list[str] | None = None) -> int:
         from tqvec.datasets.cli import main as datasets_main  # noqa: PLC0415
 
         return int(datasets_main(rest) or 0)
-    known = benchmarks()
-    if command == "bench" and rest and rest[0] in known:
-        from tqvec.datasets import DatasetError  # noqa: PLC0415 - the data sets load with the benchmark
-
-        try:
-            result = known[rest[0]].load()(rest[1:])
-        except DatasetError as err:  # an unknown or unreadable data set: a usage error, not a traceback
-            print(f"tqvec bench {rest[0]}: error: {err}", file=sys.stderr)
-            return 2
-        return result if isinstance(result, int) else 0
-    if command == "bench" and rest and rest[0] in ("-h", "--help"):
+    if command != "bench":
+        return _refuse(f"unknown command {command!r}")
+    if not rest:
+        return _refuse("tqvec bench needs a benchmark name")
+    if rest[0] in ("-h", "--help"):
         print(usage())
         return 0
-    unknown = (f"unknown benchmark {rest[0]!r}" if command == "bench" and rest else "tqvec bench needs a benchmark name"
-               if command == "bench" else f"unknown command {command!r}")
-    print(f"tqvec: {unknown}\n\n{usage()}", file=sys.stderr)
-    return 2
+    known = benchmarks()
+    if rest[0] not in known:
+        return _refuse(f"unknown benchmark {rest[0]!r}")
+    from tqvec.datasets import DatasetError  # noqa: PLC0415 - the data sets load with the benchmark
 
+    try:
+        result = known[rest[0]].load()(rest[1:])
+    except DatasetError as err:  # an unknown or unreadable data set: a usage error, not a traceback
+        print(f"tqvec bench {rest[0]}: error: {err}", file=sys.stderr)
+        return 2
+    return result if isinstance(result, int) else 0
+
+
+def _refuse(what: str) -> int:
+    """Say ``what`` the command line asked that ``tqvec`` does not know, then the usage, on stderr; exit status 2."""
+    print(f"tqvec: {what}\n\n{usage()}", file=sys.stderr)
+    return 2
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -215,6 +215,7 @@ class TurboQuantizer:
         check_choice("rotation", rotation, ROTATION_KINDS)
         if rescale and mode != "mse":
             raise ValueError("rescale applies to mode='mse' only (prod scores are already unbiased)")
+        # not validation.check_seed: the seeds callers derive (seed + 1, + 1000, ...) may pass its MAX_SEED
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         self.seed, self.rescale = int(seed), bool(rescale)
