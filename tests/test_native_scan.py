@@ -306,6 +306,19 @@ def test_two_stage_layout_copies_codes_only_for_lists(monkeypatch) -> None:
         assert copied == (grouping is not None), (grouping, source.layout_nbytes, codes.packed.numel())
 
 
+@pytest.mark.parametrize(("bits", "expected"), [(4, "signs"), (3, "signs"), (2.5, "signs"), (2, "nibbles")])
+def test_index_budgets_of_two_and_a_half_bits_and_up_scan_in_two_stages(monkeypatch, bits: float, expected: str) -> None:
+    """An index's bit budget pays for the per-row scale and bias too, so its 3-bit codes hold under 3 bits per channel
+    (784 channels: 2.92): the two-stage scan must still take them (one stage scanned them several times slower), and
+    2-bit codes keep the one-stage scan."""
+    if not _fastscan.simd():
+        pytest.skip("this CPU has no AVX2 + FMA: no fast-scan layout is built")
+    monkeypatch.setattr(_fastscan, "HIGH_PAIRS", False)
+    plan = IVFIndex(784, 4, bits, "l2", seed=0).quantizer.table("cpu").native_plan()
+    assert int(bits) - 1 < plan.bits_per_channel < bits
+    assert _fastscan.layout(plan) == expected
+
+
 def _flat_top10_as_reference(quantizer: TurboQuantizer, codes, rotated: torch.Tensor) -> tuple[np.ndarray, int]:
     """The native top 10 of one rotated query ``(1, dim)`` over ``codes`` as one group (the layout's default kernel
     and settings), asserted equal to the torch reference's; returns its rows and how many rows it scored exactly."""

@@ -52,8 +52,10 @@ _setting = {"kernel": os.environ.get("TQVEC_CPU_KERNEL", "auto")}
 #: the native kernel's instruction-set cap: 0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 VNNI, 4 AMX (the best this CPU
 #: has is used)
 MAX_ISA = 4
-#: codes of at least this many bits per channel (on average) ...
-TWO_STAGE_MIN_BITS = 3
+#: codes of at least this many bits per channel (on average) ...: an index's 3- and 2.5-bit budgets leave 2.9 and
+#: 2.4 code bits per channel once the per-row scale (and bias) are paid for; 2-bit codes (1.9) scan faster in one
+#: stage at 384 channels (docs/native.md)
+TWO_STAGE_MIN_BITS = 2.25
 #: ... and at least this many channels are scanned in two stages, signs first (the sign estimate's error
 #: shrinks as 1/sqrt(channels): at 50 channels too many rows need their exact score, at 384 few do)
 TWO_STAGE_MIN_CHANNELS = 128
