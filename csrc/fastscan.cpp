@@ -148,8 +148,8 @@ struct ExactSteps {
   // Runs of channels that share one level table (plan.level[level .. level + 2^width)), one channel per code, packed
   // from the byte-aligned `byte` on, channels from `channel` in order, in groups of run_channels(width) channels
   // (a whole number of bytes): exact_dot_avx2 decodes them to levels and multiplies by the query, 4-bit codes 16 at
-  // a time (two 8-entry permutes), 3-bit codes 8 at a time (shifts, one permute); exact_dot reads every step from
-  // the float tables instead.
+  // a time (two 8-entry permutes), 3-bit codes 8 at a time (shifts, one permute), 8-bit codes 8 at a time (a gather
+  // from the level table); exact_dot reads every step from the float tables instead.
   struct Run {
     int32_t byte, channel, groups, level, width;
   };
@@ -159,13 +159,13 @@ struct ExactSteps {
   std::vector<int32_t> table_steps;  // the steps of pairs and singles: the only float tables exact_dot reads
 };
 
-// The exact scoring steps of `plan`; with `runs`, 4- and 3-bit codes in whole groups of run_channels (run_group)
+// The exact scoring steps of `plan`; with `runs`, 3-, 4- and 8-bit codes in whole groups of run_channels (run_group)
 // are kept as runs for exact_dot_avx2.
 ExactSteps exact_steps(const Plan& plan, bool runs = false) {
   ExactSteps steps;
   for (int t = 0; t < plan.n_steps; ++t) {
     const int32_t b = plan.byte[t], s = plan.shift[t], w = plan.width[t];
-    if (runs && (w == 4 || w == 3) && run_group(plan, t, t, w)) {
+    if (runs && (w == 4 || w == 3 || w == 8) && run_group(plan, t, t, w)) {
       const int first = t, n = run_channels(w);
       ExactSteps::Run run{b, plan.channel[t * kMaxStepChannels], 0, kMaxStepChannels * plan.offset[t], w};
       while (run_group(plan, t, first, w) && plan.byte[t] == run.byte + w * n / 8 * run.groups &&
@@ -328,7 +328,7 @@ StepOps step_ops(const Plan& plan) {
 
 struct PlanSteps {
   ExactSteps exact;       // every step from the float tables (exact_dot)
-  ExactSteps exact_runs;  // with runs of 4- and 3-bit codes decoded by exact_dot_avx2
+  ExactSteps exact_runs;  // with runs of 3-, 4- and 8-bit codes decoded by exact_dot_avx2
   StepOps ops;            // the SIMD kernels' reading of the plan's steps (at most 4 bits each)
   Int8Decoder int8;       // the rows as signed bytes, for the int8 batch kernel
 };
@@ -684,6 +684,29 @@ __attribute__((target("avx2,fma"), always_inline)) inline void add_three_bit_run
   }
 }
 
+// A run of 8-bit codes: 8 bytes widened to 32-bit indices, their levels gathered from the run's level table (256
+// floats, in L1): for 8-bit codes this beats reading per-query float tables (256 entries per channel), which also
+// no longer need filling. (5- to 7-bit codes, shifted out of a word and gathered alike, measured no faster than the
+// tables: they stay on them.)
+__attribute__((target("avx2,fma"), always_inline)) inline void add_byte_run(const ExactSteps::Run& run, const uint8_t* bytes,
+                                                                         const float* levels, const float* q, __m256& acc) {
+  const float* table = levels + run.level;
+  for (int g = 0; g < run.groups; ++g) {
+    const __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * g)));
+    acc = _mm256_fmadd_ps(_mm256_i32gather_ps(table, codes, 4), _mm256_loadu_ps(q + 8 * g), acc);
+  }
+}
+
+// Adds a run of 3- or 8-bit codes (4-bit runs are read inline by the callers).
+__attribute__((target("avx2,fma"), always_inline)) inline void add_other_run(const ExactSteps::Run& run, const uint8_t* bytes,
+                                                                          const float* levels, const float* q, __m256& acc) {
+  if (run.width == 3) {
+    add_three_bit_run(run, bytes, levels, q, acc);
+  } else {
+    add_byte_run(run, bytes, levels, q, acc);
+  }
+}
+
 // The channels of a 4-bit run come in chunks of kRunChunkAvx2 (AVX2) or kRunChunkAvx512 (AVX-512; the run's last
 // group alone when their number is odd): one load widens a chunk's bytes to 32-bit lanes, whose low nibbles
 // index the level permutes directly, and whose high nibbles do after one shift. The lanes then hold the chunk's
@@ -720,7 +743,7 @@ __attribute__((target("avx2,fma"))) inline float exact_dot_avx2(const ExactSteps
     const uint8_t* bytes = row + run.byte;
     const float* q = query + run.channel;
     if (run.width != 4) {
-      add_three_bit_run(run, bytes, levels, q, acc1);
+      add_other_run(run, bytes, levels, q, acc1);
       continue;
     }
     const __m256 low_levels = _mm256_loadu_ps(levels + run.level), high_levels = _mm256_loadu_ps(levels + run.level + 8);
@@ -748,12 +771,12 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) float exact_dot_avx512(cons
                                                                           const float* levels, const float* query,
                                                                           const uint8_t* row) {
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps(), acc3 = _mm512_setzero_ps();
-  __m256 three_bit_sum = _mm256_setzero_ps();
+  __m256 other_sum = _mm256_setzero_ps();
   for (const ExactSteps::Run& run : steps.runs) {
     const uint8_t* bytes = row + run.byte;
     const float* q = query + run.channel;
     if (run.width != 4) {
-      add_three_bit_run(run, bytes, levels, q, three_bit_sum);
+      add_other_run(run, bytes, levels, q, other_sum);
       continue;
     }
     const __m512 table = _mm512_loadu_ps(levels + run.level);
@@ -784,7 +807,7 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) float exact_dot_avx512(cons
   }
   alignas(64) float part[16];
   _mm512_store_ps(part, _mm512_add_ps(_mm512_add_ps(acc0, acc2), _mm512_add_ps(acc1, acc3)));
-  const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_load_ps(part), _mm256_load_ps(part + 8)), three_bit_sum);
+  const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_load_ps(part), _mm256_load_ps(part + 8)), other_sum);
   return lane_sum(sum) + exact_dot(steps, lut, row);
 }
 

@@ -50,7 +50,8 @@ inline bool nibble_pair(const Plan& plan, int t) {
          plan.shift[t + 1] == 4 && plan.width[t + 1] == 4;
 }
 
-// Channels per group of a run of `width`-bit codes (4 or 3): 8 or 3 bytes.
+// Channels per group of a run of `width`-bit codes (3, 4 or 8): 16 channels in 8 bytes for 4-bit codes, else 8
+// channels in `width` bytes.
 constexpr int run_channels(int width) { return width == 4 ? 16 : 8; }
 
 // True when steps t .. t + run_channels(width) - 1 are `width`-bit codes packed from a byte boundary (byte[t],
