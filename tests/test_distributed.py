@@ -393,6 +393,25 @@ def test_restart_that_loses_unsaved_adds_is_never_silent(saved, loaded, data):
         loaded.remove(ids[:3])
 
 
+def test_shard_dead_for_good_fails_at_once(loaded, data):
+    """A shard that Ray will not restart (killed without restart; the same once ``max_restarts`` is used up) fails
+    reads at once, not after ``timeout`` of retries: ``search`` raises ShardError naming it as dead, ``allow_partial``
+    returns the other shards' answer with it missing, ``len`` raises. (After the test above one shard is lost; the
+    other is the one killed here.)"""
+    _, q, _ = data
+    _, _, missing = loaded.search(q, K, allow_partial=True)
+    (victim,) = set(range(SAVED_SHARDS)) - set(missing)
+    ray.kill(loaded.shard_actor(victim), no_restart=True)
+    loaded.timeout = 60
+    err, took = _error_within(20, lambda: loaded.search(q, K))
+    assert isinstance(err, ShardError) and err.shards == (victim,) and "dead for good" in str(err) and took < 10
+    box = []
+    _, took = _error_within(20, lambda: box.append(loaded.search(q, K, allow_partial=True)))
+    assert box[0][2] == tuple(range(SAVED_SHARDS)) and (box[0][1] == -1).all() and took < 10
+    err, took = _error_within(20, lambda: len(loaded))
+    assert isinstance(err, ShardError) and err.shards == (victim,) and took < 10
+
+
 # ------------------------------------------------------------------------------- bulk build with Ray Data
 
 

@@ -4,7 +4,9 @@ Failures. Each shard actor runs with Ray's ``max_restarts``; a restarted actor r
 file that its directory's manifest names (or starts empty if it was never saved; the first ``save`` to a
 directory re-creates the actors from there). Every call waits at most ``timeout`` seconds: starting the
 actors (an actor that cannot be scheduled raises :class:`ShardError` naming it), a read retrying a shard
-that is down, a write, the directory lock of a save. A restart that lost changes made since the last save
+that is restarting, a write, the directory lock of a save. A shard whose actor is dead for good (its
+``max_restarts`` used up, or killed without restart) fails a call at once, retried or not: Ray will not bring
+it back, only :meth:`ShardedIndex.load` does. A restart that lost changes made since the last save
 (every reply carries an epoch: a token drawn at actor start and the file it loaded) makes the shard
 *lost*: searches, ``add``, ``remove`` and ``save`` raise ``ShardError`` until the index is reloaded with
 :meth:`ShardedIndex.load`. ``search(..., allow_partial=True)`` returns the merged answer of the shards
@@ -25,7 +27,7 @@ from typing import Any
 import numpy as np
 import ray
 import torch
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
 from .. import storage
 from .._rows import frozen_center
@@ -251,10 +253,10 @@ class ShardedIndex:
         """Call ``method`` on each shard in ``args``; values in shard order (``None`` where missing).
 
         Every reply's epoch is noted as it arrives (``mutates``: the shard now has unsaved changes), so a
-        failure elsewhere loses no bookkeeping. With ``retry`` a shard that is down is called again until
-        ``self.timeout``; a shard that has not answered by then (or, without ``retry``, one that is down)
-        raises :class:`ShardError`, unless ``allow_missing``. An error raised inside a shard (e.g.
-        ``KeyError``) is re-raised once every shard has replied.
+        failure elsewhere loses no bookkeeping. With ``retry`` a shard that is restarting is called again until
+        ``self.timeout``; a shard that has not answered by then (or, without ``retry``, one that is down, or
+        one whose actor is dead for good, at once) raises :class:`ShardError`, unless ``allow_missing``. An
+        error raised inside a shard (e.g. ``KeyError``) is re-raised once every shard has replied.
         """
         if not self._actors:
             raise RuntimeError("this ShardedIndex is closed")
@@ -274,6 +276,9 @@ class ShardedIndex:
                 results[s], epoch = ray.get(ready[0])
             except RayTaskError as err:  # raised by the index inside the shard: typed as its cause
                 errors.append(err)
+                continue
+            except ActorDiedError as err:  # no restart left (Ray raises ActorUnavailableError while restarting)
+                failed[s] = f"actor dead for good ({_last_line(err)}); reload the index with ShardedIndex.load"
                 continue
             except RayActorError as err:
                 if not retry or time.monotonic() + delay > deadline:
@@ -428,7 +433,8 @@ class ShardedIndex:
         ValueError
             Bad ``queries`` or ``k``.
         ShardError
-            Without ``allow_partial``: a shard still down after ``timeout`` (retried meanwhile), or lost.
+            Without ``allow_partial``: a shard still down after ``timeout`` (retried meanwhile), dead for good
+            (at once), or lost.
         RuntimeError
             The index is closed.
         """
@@ -463,7 +469,8 @@ class ShardedIndex:
         KeyError
             An unknown id.
         ShardError
-            A shard holding one of ``ids`` is still down after ``timeout`` (retried meanwhile), or lost.
+            A shard holding one of ``ids`` is still down after ``timeout`` (retried meanwhile), dead for good (at
+            once), or lost.
         RuntimeError
             The index is closed.
         """
@@ -487,7 +494,7 @@ class ShardedIndex:
         Raises
         ------
         ShardError
-            A shard still down after ``timeout`` (retried meanwhile), or lost.
+            A shard still down after ``timeout`` (retried meanwhile), dead for good (at once), or lost.
         RuntimeError
             The index is closed.
         """
