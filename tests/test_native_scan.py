@@ -140,6 +140,26 @@ def test_structured_rotations_and_zero_queries_match_torch(kernel, monkeypatch, 
         _assert_same_results(*_search_both(kernel, index, q, 10, **kw))
 
 
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_k_beyond_ntotal_pads_as_torch_and_impossible_k_fails_like_it(kernel, metric: str) -> None:
+    """A k far beyond ntotal scans for ntotal rows and pads (the torch path's answer, −1 and ∓inf); a k whose (nq, k)
+    outputs cannot exist fails with numpy's ValueError on both paths (the native call once raised a TypeError for its
+    arguments, from the re-score count 2·k past int64)."""
+    x, q = _data(300, 40, seed=50), _data(4, 40, seed=51)
+    for index in (Index(40, 4, metric, seed=52), IVFIndex(40, 6, 4, metric, seed=53)):
+        if isinstance(index, IVFIndex):
+            index.train(x)
+        index.add(x)
+        kw = {"nprobe": 6} if isinstance(index, IVFIndex) else {}
+        ref, got = _search_both(kernel, index, q, 5000, **kw)
+        assert got[0].shape == (4, 5000) and (got[1][:, 300:] == -1).all()
+        _assert_same_results(ref, got)
+        for name in ("torch", "native"):
+            kernel(name)
+            with pytest.raises(ValueError, match="too big"):
+                index.search(q, 2**62, **kw)
+
+
 def test_flat_batches_on_threads_equal_one_thread() -> None:
     """A flat batch on several threads (prepared, scanned and answered on the pool) returns what one thread returns,
     ties in id order included."""

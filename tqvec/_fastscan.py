@@ -322,10 +322,23 @@ class QuerySearch:
         Returns FAISS-style ``(D, I)`` ``(nq, k)``: ``I`` the ids of the best rows, ``D`` their scores, or with
         ``l2`` the distances ``‖q‖² − 2·score``; −1 and −inf (+inf for ``l2``) where fewer than ``k`` rows exist.
         """
+        depth = min(k, max(1, len(self.ids)))  # never more work than ntotal; the rest is padding
         distances, labels, _ = _native.search_queries(self.steps.handle, self.source, self.prep, queries, self.ids,
-                                                      self.l2, nprobe, k, rescore_count(k), CONFIDENCE,
+                                                      self.l2, nprobe, depth, rescore_count(depth), CONFIDENCE,
                                                       max(1, torch.get_num_threads()), MAX_ISA)
+        return pad_results(distances, labels, k, self.l2)
+
+
+def pad_results(distances: np.ndarray, labels: np.ndarray, k: int, l2: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``(D, I)`` ``(nq, m)`` padded to ``k ≥ m`` columns with −inf (+inf with ``l2``) and −1 (FAISS's convention for
+    fewer than ``k`` results); unchanged when ``m == k``. Raises numpy's ``MemoryError`` / ``ValueError`` when
+    ``(nq, k)`` outputs cannot be allocated."""
+    pad = k - distances.shape[1]
+    if pad <= 0:
         return distances, labels
+    fill = np.float32(np.inf if l2 else -np.inf)
+    return (np.concatenate([distances, np.full((len(distances), pad), fill, np.float32)], 1),
+            np.concatenate([labels, np.full((len(labels), pad), -1, np.int64)], 1))
 
 
 #: one channel segment of coded tokens for :func:`decode_attention`: (codes, scale, plan, rotated channels)

@@ -164,11 +164,8 @@ def search_results(
     if nan.any():
         order = np.argsort(nan, axis=1, kind="stable")
         distances, labels = np.take_along_axis(distances, order, 1), np.take_along_axis(labels, order, 1)
-    if k is not None and k > distances.shape[1]:
-        pad = k - distances.shape[1]
-        fill = np.float32(np.inf if metric == "l2" else -np.inf)
-        distances = np.concatenate([distances, np.full((len(distances), pad), fill, np.float32)], 1)
-        labels = np.concatenate([labels, np.full((len(labels), pad), -1, np.int64)], 1)
+    if k is not None:
+        distances, labels = _fastscan.pad_results(distances, labels, k, metric == "l2")
     return distances, labels
 
 
