@@ -1,5 +1,5 @@
 """Issue 18: whole 4-bit searches over 1M x d Gaussian rows (gpu_scan's Database) with int8 stage-1 tilings changed,
-two rounds (the second in reverse order), beside the bf16 matmul alone. Usage: python3 int8_ab.py warps|tiles OUT.jsonl
+two rounds (the second in reverse order), beside the bf16 matmul alone. Usage: python3 int8_ab.py warps|tiles|groups OUT.jsonl
 (`tiles` needs row_tile_loop.patch applied). One JSON line per (shape, variant, round); a last line per shape says
 whether each variant returned the base's ids for the first 200 queries."""
 import dataclasses
@@ -20,9 +20,11 @@ SETS = {  # tile-config fields (block_q, num_warps) or kernels.ops module consta
               "t2s2": {"FUSED_TILES": 2, "INT8_TILES": 2, "FUSED_STAGES": 2, "INT8_STAGES": 2},
               "t4s4": {"FUSED_TILES": 4, "INT8_TILES": 4, "FUSED_STAGES": 4, "INT8_STAGES": 4},
               "k128": {"INT8_BLOCK_K": 128}, "t2k128": {"FUSED_TILES": 2, "INT8_TILES": 2, "INT8_BLOCK_K": 128}},
+    "groups": {"base": {}, "g128": {"block_n": 128}},
 }
-CONFIG_FIELDS = ("block_q", "num_warps")
-SHAPES = [(128, 100), (128, 10000), (384, 100), (384, 10000), (768, 100), (1536, 100), (1536, 10000)]
+CONFIG_FIELDS = ("block_q", "num_warps", "block_n")
+SHAPES = {"groups": [(384, 100)]}.get(
+    sys.argv[1], [(128, 100), (128, 10000), (384, 100), (384, 10000), (768, 100), (1536, 100), (1536, 10000)])
 variants = SETS[sys.argv[1]]
 out = open(sys.argv[2], "w")
 constants = {k: getattr(ops, k) for v in variants.values() for k in v if k not in CONFIG_FIELDS}
