@@ -174,8 +174,9 @@ class SearchSettings:
     triton_topk : bool
         Select groups and the final top-k with :mod:`.topk`'s Triton kernels (off: ``torch.topk``) …
     triton_topk_max_queries : int
-        … for at most this many queries per search chunk (``torch.topk`` was faster beyond, on the H200:
-        bench/results/gpu_topk.md).
+        … except the group choice (and a final top-k over all refined scores) of more queries per search chunk than
+        this, where ``torch.topk`` was faster on the H200 (bench/results/gpu_topk.md); the final top-k over each refined
+        slice's best keys stays in Triton for any number of queries.
     graph_cache_size : int
         Captured graphs kept (least recently used dropped).
     matvec_permutes : bool
@@ -648,13 +649,12 @@ def refined_topk(
     else every refined score goes to :func:`~.topk.row_topk` or ``torch.topk``.
     """
     now = settings()
-    triton_topk = now.triton_topk and q.shape[0] <= now.triton_topk_max_queries
-    if triton_topk and topk_kernels.k_pad(k) < _refine_rows(group_rows):
+    if now.triton_topk and topk_kernels.k_pad(k) < _refine_rows(group_rows):
         keys, _ = _refine(q, p, groups, block, table, group_rows, local_k=topk_kernels.k_pad(k))
         return topk_kernels.keys_topk(keys, k, block=_topk_block())
     candidates, ids = _refine(q, p, groups, block, table, group_rows)
     kc = min(k, candidates.shape[1])
-    if triton_topk and topk_kernels.supported(kc):
+    if now.triton_topk and q.shape[0] <= now.triton_topk_max_queries and topk_kernels.supported(kc):
         return topk_kernels.row_topk(candidates, kc, ids, block=_topk_block())
     best, pos = torch.topk(candidates, kc, dim=1)
     return best, ids.gather(1, pos)

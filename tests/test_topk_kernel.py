@@ -125,6 +125,26 @@ def test_search_uses_kernels_and_matches_torch_path(monkeypatch: pytest.MonkeyPa
     assert torch.allclose(got[0].cpu(), ref[0], rtol=1e-5) and torch.equal(got[1].cpu(), ref[1])
 
 
+def test_final_topk_over_kept_keys_beyond_the_query_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More queries than triton_topk_max_queries: torch.topk chooses the groups, and the final top-k still runs over
+    each refined slice's kept keys in Triton, with the answer of the torch.topk path."""
+    tq = TurboQuantizer(40, 4, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    codes = tq.encode(torch.randn(300, 40, generator=gen))
+    block = tq.code_block(codes.to(KERNEL_DEVICE))
+    rotated = tq.rotate_queries(torch.randn(3, 40, generator=gen))[0].to(KERNEL_DEVICE)
+    calls = []
+    for name in ("row_topk", "keys_topk"):
+        real = getattr(topk, name)
+        monkeypatch.setattr(topk, name, lambda *a, _n=name, _f=real, **kw: calls.append(_n) or _f(*a, **kw))
+    with ops.configured(triton_topk_max_queries=2):
+        got = ops.search(rotated, block, tq.table(KERNEL_DEVICE), 5)
+    assert calls == ["keys_topk"]
+    with ops.configured(triton_topk=False):
+        old = ops.search(rotated, block, tq.table(KERNEL_DEVICE), 5)
+    assert torch.equal(got[0].cpu(), old[0].cpu()) and torch.equal(got[1].cpu(), old[1].cpu())
+
+
 def test_select_groups_fewer_groups_than_kg() -> None:
     """n_groups < k + GROUP_MARGIN: every group is chosen."""
     gm = _values(2, 5, "randn", 3).to(KERNEL_DEVICE)
