@@ -105,6 +105,15 @@ def test_plan_splits_and_serial_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     _check(topk.row_topk(values.to(KERNEL_DEVICE), 6, block=16), values, 6, None)  # torch.topk fallback
 
 
+def _recorded_topk_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A list that records, in order, each call of topk.row_topk and topk.keys_topk (which still run)."""
+    calls: list[str] = []
+    for name in ("row_topk", "keys_topk"):
+        real = getattr(topk, name)
+        monkeypatch.setattr(topk, name, lambda *a, _n=name, _f=real, **kw: calls.append(_n) or _f(*a, **kw))
+    return calls
+
+
 def test_search_uses_kernels_and_matches_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """ops.search with the Triton top-k equals the torch.topk path (same candidates), and the reference."""
     tq = TurboQuantizer(40, 4, seed=0)
@@ -112,10 +121,7 @@ def test_search_uses_kernels_and_matches_torch_path(monkeypatch: pytest.MonkeyPa
     codes = tq.encode(torch.randn(300, 40, generator=gen))
     block = tq.code_block(codes.to(KERNEL_DEVICE))
     rotated, _ = tq.rotate_queries(torch.randn(3, 40, generator=gen))
-    calls = []
-    for name in ("row_topk", "keys_topk"):
-        real = getattr(topk, name)
-        monkeypatch.setattr(topk, name, lambda *a, _n=name, _f=real, **kw: calls.append(_n) or _f(*a, **kw))
+    calls = _recorded_topk_calls(monkeypatch)
     got = ops.search(rotated.to(KERNEL_DEVICE), block, tq.table(KERNEL_DEVICE), 5)
     assert calls == ["row_topk", "keys_topk"]  # group selection, then the final top-k of the refined slices' best
     with ops.configured(triton_topk=False):
@@ -133,10 +139,7 @@ def test_final_topk_over_kept_keys_beyond_the_query_limit(monkeypatch: pytest.Mo
     codes = tq.encode(torch.randn(300, 40, generator=gen))
     block = tq.code_block(codes.to(KERNEL_DEVICE))
     rotated = tq.rotate_queries(torch.randn(3, 40, generator=gen))[0].to(KERNEL_DEVICE)
-    calls = []
-    for name in ("row_topk", "keys_topk"):
-        real = getattr(topk, name)
-        monkeypatch.setattr(topk, name, lambda *a, _n=name, _f=real, **kw: calls.append(_n) or _f(*a, **kw))
+    calls = _recorded_topk_calls(monkeypatch)
     with ops.configured(triton_topk_max_queries=2):
         got = ops.search(rotated, block, tq.table(KERNEL_DEVICE), 5)
     assert calls == ["keys_topk"]
