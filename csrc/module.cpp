@@ -315,10 +315,20 @@ struct ProbeConstantSite;
 struct ProbeSite;
 
 // An inverted-file batch is prepared and searched in chunks, one thread per chunk, when each thread has this many queries
-// at least; a chunk holds nq / (8 threads) queries, at most kPairedMaxChunk (the preparation's block: they share each
-// pass over the centroids).
+// at least. Chunks are guided, largest first: each takes the queries left / (kGuidedShare threads), between 1 and
+// kPairedMaxChunk (the preparation's block: they share each pass over the centroids, which a query alone reads at
+// ~10% of its search), so that most queries share full blocks and the last, small chunks even out the threads.
 constexpr int64_t kPairedMinQueriesPerThread = 2;
 constexpr int64_t kPairedMaxChunk = 8;
+constexpr int64_t kGuidedShare = 2;
+
+// The first query of each chunk of a guided batch of nq queries on `threads` threads, then nq.
+std::vector<int64_t> guided_chunks(int64_t nq, int threads) {
+  std::vector<int64_t> starts{0};
+  while (starts.back() < nq)
+    starts.push_back(starts.back() + std::clamp<int64_t>((nq - starts.back()) / (kGuidedShare * threads), 1, kPairedMaxChunk));
+  return starts;
+}
 
 // Prepares raw queries (nq, dim) as `prep` says (rotation, probed lists and their constants), searches `source` with
 // them, all on the search's threads, and answers as the index does: (D (nq, k) float32, I (nq, k) int64 ids from
@@ -373,16 +383,17 @@ nb::tuple search_queries(const PlanHandle& plan, const RowsHandle& source, const
     const std::vector<float> no_constant(1);
     const tqvec::SearchArgs whole = search_args(plan, source, nullptr, nq, out_dim, no_probe.data(), no_constant.data(), n_probe, k,
                                                 rescore, confidence, 1, distances, labels);
-    const int64_t chunk = std::clamp<int64_t>(nq / (8 * threads), 1, kPairedMaxChunk);
+    const std::vector<int64_t> starts = guided_chunks(nq, threads);
+    const int64_t most = starts.size() > 1 ? starts[1] : 1;  // the first chunk is the largest
     std::atomic<const char*> used{nullptr};
     {
       nb::gil_scoped_release release;
-      tqvec::parallel_for(static_cast<size_t>((nq + chunk - 1) / chunk), threads, [&](size_t begin, size_t end) {
-        const tqvec::Scratch<float, RotatedSite> rotated(static_cast<size_t>(chunk * out_dim));
-        const tqvec::Scratch<float, ProbeConstantSite> constant(static_cast<size_t>(chunk * n_probe));
-        const tqvec::Scratch<int64_t, ProbeSite> probe(static_cast<size_t>(chunk * n_probe));
+      tqvec::parallel_for(starts.size() - 1, threads, [&](size_t begin, size_t end) {
+        const tqvec::Scratch<float, RotatedSite> rotated(static_cast<size_t>(most * out_dim));
+        const tqvec::Scratch<float, ProbeConstantSite> constant(static_cast<size_t>(most * n_probe));
+        const tqvec::Scratch<int64_t, ProbeSite> probe(static_cast<size_t>(most * n_probe));
         for (size_t c = begin; c < end; ++c) {
-          const int64_t first = static_cast<int64_t>(c) * chunk, g = std::min(chunk, nq - first);
+          const int64_t first = starts[c], g = starts[c + 1] - first;
           tqvec::prepare_queries(prep.transform(), coarse, queries.data() + first * dim, g, 1, isa_of(max_isa), squared.data() + first,
                                  rotated.get(), probe.get(), constant.get());
           if (!norms_within(squared.data() + first, squared.data() + first + g, bound)) continue;

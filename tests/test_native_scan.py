@@ -176,26 +176,28 @@ def test_flat_batches_on_threads_equal_one_thread() -> None:
     assert (np.diff(got[1][:5, :2], axis=1) > 0).all()  # each duplicated row's two ids, the lower first
 
 
-def test_inverted_file_batches_on_threads_equal_one_thread_and_check_every_query() -> None:
-    """An inverted-file batch on several threads is prepared and scanned in chunks, one thread per chunk: it returns
-    what one thread returns (bit for bit: each query's work is the same), and a NaN or an oversized row anywhere in
-    the batch raises the ValueError one thread raises, naming that row."""
-    x, q = _data(3000, 96, seed=40), _data(61, 96, seed=41)
+@pytest.mark.parametrize("nq,threads", [(61, 4), (300, 3), (40, 16)])
+def test_inverted_file_batches_on_threads_equal_one_thread_and_check_every_query(nq: int, threads: int) -> None:
+    """An inverted-file batch on several threads is prepared and scanned in chunks, one thread per chunk (guided: 8
+    queries, then smaller chunks towards the end): it returns what one thread returns (bit for bit: each query's work
+    is the same), and a NaN or an oversized row anywhere in the batch raises the ValueError one thread raises, naming
+    that row."""
+    x, q = _data(3000, 96, seed=40), _data(nq, 96, seed=41)
     index = IVFIndex(96, 16, 4, "l2", rotation="fht-kac", seed=42)
     index.add(x)
     with torch_threads(1):
         expected = index.search(q, 10, nprobe=5)
-    with torch_threads(4):
+    with torch_threads(threads):
         got = index.search(q, 10, nprobe=5)
         np.testing.assert_array_equal(got[1], expected[1])
         np.testing.assert_array_equal(got[0], expected[0])
         bad = q.copy()
-        bad[37, 5] = np.nan
+        bad[nq * 3 // 5, 5] = np.nan
         with pytest.raises(ValueError, match="queries contains NaN or Inf"):
             index.search(bad, 10, nprobe=5)
         bad = q.copy()
-        bad[52] = 1e20
-        with pytest.raises(ValueError, match="queries row 52 has squared L2 norm"):
+        bad[nq - 9] = 1e20
+        with pytest.raises(ValueError, match=f"queries row {nq - 9} has squared L2 norm"):
             index.search(bad, 10, nprobe=5)
 
 
