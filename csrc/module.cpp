@@ -316,8 +316,9 @@ struct ProbeSite;
 
 // An inverted-file batch is prepared and searched in chunks, one thread per chunk, when each thread has this many queries
 // at least. Chunks are guided, largest first: each takes the queries left / (kGuidedShare threads), between 1 and
-// kPairedMaxChunk (the preparation's block: they share each pass over the centroids, which a query alone reads at
-// ~10% of its search), so that most queries share full blocks and the last, small chunks even out the threads.
+// kPairedMaxChunk (the preparation's block: they share each pass over the centroids, which small chunks repeat;
+// bench/results/native_runs/guided-chunks), so that most queries share full blocks and the last, small chunks even
+// out the threads.
 constexpr int64_t kPairedMinQueriesPerThread = 2;
 constexpr int64_t kPairedMaxChunk = 8;
 constexpr int64_t kGuidedShare = 2;
