@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 from kernel_env import KERNEL_DEVICE, needs_kernels
 
-from tqvec import TurboQuantizer, scan
+from tqvec import Codes, TurboQuantizer, scan
 from tqvec.kernels import ops, topk
 
 pytestmark = [pytest.mark.usefixtures("single_torch_thread"), pytest.mark.gpu, needs_kernels]
@@ -114,13 +114,19 @@ def _recorded_topk_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
+def _search_case(seed: int) -> tuple[TurboQuantizer, Codes, scan.CodeBlock, torch.Tensor]:
+    """A 4-bit quantizer of 40 dimensions, the CPU codes of 300 random rows, their block on KERNEL_DEVICE and 3
+    rotated random queries (CPU), drawn from ``seed``."""
+    tq = TurboQuantizer(40, 4, seed=0)
+    gen = torch.Generator().manual_seed(seed)
+    codes = tq.encode(torch.randn(300, 40, generator=gen))
+    rotated, _ = tq.rotate_queries(torch.randn(3, 40, generator=gen))
+    return tq, codes, tq.code_block(codes.to(KERNEL_DEVICE)), rotated
+
+
 def test_search_uses_kernels_and_matches_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """ops.search with the Triton top-k equals the torch.topk path (same candidates), and the reference."""
-    tq = TurboQuantizer(40, 4, seed=0)
-    gen = torch.Generator().manual_seed(0)
-    codes = tq.encode(torch.randn(300, 40, generator=gen))
-    block = tq.code_block(codes.to(KERNEL_DEVICE))
-    rotated, _ = tq.rotate_queries(torch.randn(3, 40, generator=gen))
+    tq, codes, block, rotated = _search_case(0)
     calls = _recorded_topk_calls(monkeypatch)
     got = ops.search(rotated.to(KERNEL_DEVICE), block, tq.table(KERNEL_DEVICE), 5)
     assert calls == ["row_topk", "keys_topk"]  # group selection, then the final top-k of the refined slices' best
@@ -134,11 +140,8 @@ def test_search_uses_kernels_and_matches_torch_path(monkeypatch: pytest.MonkeyPa
 def test_final_topk_over_kept_keys_beyond_the_query_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     """More queries than triton_topk_max_queries: torch.topk chooses the groups, and the final top-k still runs over
     each refined slice's kept keys in Triton, with the answer of the torch.topk path."""
-    tq = TurboQuantizer(40, 4, seed=0)
-    gen = torch.Generator().manual_seed(1)
-    codes = tq.encode(torch.randn(300, 40, generator=gen))
-    block = tq.code_block(codes.to(KERNEL_DEVICE))
-    rotated = tq.rotate_queries(torch.randn(3, 40, generator=gen))[0].to(KERNEL_DEVICE)
+    tq, _, block, rotated = _search_case(1)
+    rotated = rotated.to(KERNEL_DEVICE)
     calls = _recorded_topk_calls(monkeypatch)
     with ops.configured(triton_topk_max_queries=2):
         got = ops.search(rotated, block, tq.table(KERNEL_DEVICE), 5)
