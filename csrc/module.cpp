@@ -385,7 +385,7 @@ nb::tuple search_queries(const PlanHandle& plan, const RowsHandle& source, const
     const tqvec::SearchArgs whole = search_args(plan, source, nullptr, nq, out_dim, no_probe.data(), no_constant.data(), n_probe, k,
                                                 rescore, confidence, 1, distances, labels);
     const std::vector<int64_t> starts = guided_chunks(nq, threads);
-    const int64_t most = starts.size() > 1 ? starts[1] : 1;  // the first chunk is the largest
+    const int64_t most = starts[1];  // the first chunk is the largest (this branch has nq >= 2 threads > 0)
     std::atomic<const char*> used{nullptr};
     {
       nb::gil_scoped_release release;
