@@ -1148,7 +1148,7 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) const char* search_int8(con
       int8_candidates(steps.int8, a.rows, w.part_begin, w.part_end, queries, w.query, w.query_end, keep, cuts[i / parts], found[i],
                       amx);
     }
-  });
+  }, 1, Idle::kSpin);
   const ExactSteps& exact = steps.exact_runs;
   parallel_for(static_cast<size_t>(a.nq), threads, [&](size_t begin, size_t end) {
     std::unique_ptr<float[]> lut(new float[table_entries(a.plan)]);
@@ -1181,7 +1181,7 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) const char* search_int8(con
       if (a.out_exact) a.out_exact[q] = static_cast<int64_t>(cands.size());
       write_best(a.k, cands, a.out_values + q * a.k, a.out_rows + q * a.k);
     }
-  }, 16);
+  }, 16, Idle::kSpin);
   return amx ? "amx" : "avx512-vnni";
 }
 #endif  // TQVEC_X86
@@ -1582,7 +1582,7 @@ const char* search(const SearchArgs& a, Isa max_isa) {
       }
     }
   };
-  parallel_for(work.size(), threads, scan_items);
+  parallel_for(work.size(), threads, scan_items, 1, Idle::kSpin);
   if (a.out_exact) {
     std::fill(a.out_exact, a.out_exact + a.nq, int64_t{0});
     for (size_t i = 0; i < work.size(); ++i)
@@ -1605,7 +1605,7 @@ const char* search(const SearchArgs& a, Isa max_isa) {
       write_best(a.k, cands, a.out_values + q * a.k, a.out_rows + q * a.k);
     }
   };
-  parallel_for(static_cast<size_t>(a.nq), threads, merge_queries, 16);
+  parallel_for(static_cast<size_t>(a.nq), threads, merge_queries, 16, Idle::kSpin);
   return kernel;
 }
 

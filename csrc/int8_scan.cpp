@@ -439,7 +439,7 @@ Int8Queries int8_queries(const Int8Decoder& decoder, const float* queries, int64
     for (size_t q = begin; q < end; ++q)
       quantize_query(decoder, queries + q * dim, dim, out.bytes.get() + (q / kLanes) * out.groups * 64 + 4 * (q % kLanes),
                      &out.inverse[q]);
-  }, kLanes);
+  }, kLanes, Idle::kSpin);
 #else
   (void)queries, (void)dim, (void)threads;
 #endif

@@ -408,7 +408,7 @@ nb::tuple search_queries(const PlanHandle& plan, const RowsHandle& source, const
           used = tqvec::search(part, isa_of(max_isa));
           for (int64_t i = first; i < first + g; ++i) answer(i);
         }
-      });
+      }, 1, tqvec::Idle::kSpin);
     }
     check_query_norms(squared, bound);
     kernel = used.load();
@@ -427,7 +427,7 @@ nb::tuple search_queries(const PlanHandle& plan, const RowsHandle& source, const
     kernel = tqvec::search(args, isa_of(max_isa));
     tqvec::parallel_for(static_cast<size_t>(nq), threads, [&](size_t begin, size_t end) {
       for (size_t i = begin; i < end; ++i) answer(static_cast<int64_t>(i));
-    }, 256);
+    }, 256, tqvec::Idle::kSpin);
   }
   return nb::make_tuple(out_distances, out_labels, kernel);
 }

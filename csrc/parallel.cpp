@@ -1,35 +1,96 @@
 // The thread pool behind parallel.h: threads are started on first need (no more than any caller asked for) and
 // then wait for jobs; a job is a caller's chunk counter, which the caller and the helpers that joined it drain.
 // After fork() the child starts a pool of its own (the parent's threads do not exist there).
+//
+// Where the time of a 16-thread batch went on the device host's Xeon (bench/results/native_runs/pool-spin): waking
+// sleeping helpers (each wake cost the waker ~10 us in these virtual machines, and the last helper joined 50-150 us
+// into the job) and waiting, after the last chunk, for helpers that had joined without taking one (25-60 us). So a
+// job lives on the heap, shared with the helpers that joined it, and the caller waits for its chunks only; the caller
+// polls for its last chunks, and after a search's job the helpers poll for the next job (Idle::kSpin), as OpenMP's
+// threads do, before they sleep.
 #include "parallel.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
+#include <cstdlib>
+#include <cstring>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <thread>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define TQVEC_PAUSE() _mm_pause()
+#elif defined(__aarch64__)
+#define TQVEC_PAUSE() asm volatile("yield")
+#else
+#define TQVEC_PAUSE() ((void)0)
+#endif
 
 namespace tqvec {
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
 struct Job {
   const std::function<void(size_t)>* body;
   size_t chunks;
+  int threads;  // the job's threads (caller included)
+  Idle idle;
   std::atomic<size_t> next{0};
-  size_t finished = 0;  // chunks done (under the pool's mutex)
-  int wanted = 0;       // helpers that may still join (under the mutex)
-  int helping = 0;      // helpers inside the job (under the mutex)
+  std::atomic<size_t> finished{0};  // chunks done
+  int wanted = 0;                   // helpers that may still join (under the pool's mutex)
 };
 
 struct Pool {
   std::mutex mutex;
   std::condition_variable work, done;
-  std::deque<Job*> queue;
+  std::deque<std::shared_ptr<Job>> queue;
+  std::atomic<size_t> queued{0};  // queue.size(), for helpers that poll without the mutex
   int started = 0;
+  int sleeping = 0;  // helpers waiting on `work` (under the mutex)
   pid_t pid = getpid();
 };
+
+// The CPUs this process may run on.
+int usable_cpus() {
+#ifdef __linux__
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+#endif
+  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+}
+
+// Whether threads may poll instead of sleeping at once: not under OMP_WAIT_POLICY=passive.
+bool polling_allowed() {
+  static const bool allowed = [] {
+    const char* policy = std::getenv("OMP_WAIT_POLICY");
+    return policy == nullptr || strcasecmp(policy, "passive") != 0;
+  }();
+  return allowed;
+}
+
+// Whether a job on `threads` threads may poll: allowed, and every thread has a CPU of its own.
+bool may_poll(int threads) {
+  static const int cpus = usable_cpus();
+  return polling_allowed() && threads <= cpus;
+}
+
+// Polls until done() or kSpinMicroseconds have passed; returns done().
+template <class Done>
+bool poll(Done done) {
+  const auto until = Clock::now() + std::chrono::microseconds(kSpinMicroseconds);
+  while (!done()) {
+    for (int i = 0; i < 32; ++i) TQVEC_PAUSE();
+    if (Clock::now() >= until) return done();
+  }
+  return true;
+}
 
 // Runs chunks of `job` until none is left; returns how many it ran.
 size_t drain(Job& job) {
@@ -40,16 +101,27 @@ size_t drain(Job& job) {
 
 void serve(Pool* pool) {
   std::unique_lock<std::mutex> lock(pool->mutex);
+  bool spin = false;  // poll before sleeping: the last job asked for it
   for (;;) {
+    if (spin && pool->queue.empty()) {
+      lock.unlock();
+      poll([pool] { return pool->queued.load(std::memory_order_acquire) != 0; });
+      while (!lock.try_lock()) TQVEC_PAUSE();
+    }
+    ++pool->sleeping;
     pool->work.wait(lock, [pool] { return !pool->queue.empty(); });
-    Job* job = pool->queue.front();
-    if (--job->wanted == 0) pool->queue.pop_front();
-    ++job->helping;
+    --pool->sleeping;
+    std::shared_ptr<Job> job = pool->queue.front();
+    if (--job->wanted == 0) {
+      pool->queue.pop_front();
+      pool->queued.store(pool->queue.size(), std::memory_order_release);
+    }
     lock.unlock();
     const size_t ran = drain(*job);
+    spin = job->idle == Idle::kSpin && may_poll(job->threads);
+    const bool last = ran && job->finished.fetch_add(ran, std::memory_order_acq_rel) + ran == job->chunks;
     lock.lock();
-    job->finished += ran;
-    if (--job->helping == 0 && job->finished == job->chunks) pool->done.notify_all();
+    if (last) pool->done.notify_all();  // under the mutex: a caller between its check and its wait cannot miss it
   }
 }
 
@@ -68,33 +140,49 @@ Pool* pool_of_this_process() {
 
 }  // namespace
 
-void run_chunks(size_t chunks, int threads, const std::function<void(size_t)>& body) {
+void run_chunks(size_t chunks, int threads, const std::function<void(size_t)>& body, Idle idle) {
   const int helpers = static_cast<int>(std::min<size_t>(static_cast<size_t>(std::max(1, threads)), chunks)) - 1;
   if (helpers <= 0) {
     for (size_t c = 0; c < chunks; ++c) body(c);
     return;
   }
   Pool* pool = pool_of_this_process();
-  Job job;
-  job.body = &body;
-  job.chunks = chunks;
-  job.wanted = helpers;
+  // On the heap, shared with the helpers that join it: one that joins after the last chunk was taken finds none and
+  // lets go, and the caller need not wait for it (body is only called for a chunk taken, before `finished` counts it).
+  auto job = std::make_shared<Job>();
+  job->body = &body;
+  job->chunks = chunks;
+  job->threads = threads;
+  job->idle = idle;
+  job->wanted = helpers;
+  bool wake_all;
   {
     std::lock_guard<std::mutex> lock(pool->mutex);
     for (; pool->started < helpers; ++pool->started) std::thread(serve, pool).detach();
-    pool->queue.push_back(&job);
+    pool->queue.push_back(job);
+    pool->queued.store(pool->queue.size(), std::memory_order_release);
+    wake_all = helpers >= pool->sleeping;
   }
-  for (int i = 0; i < helpers; ++i) pool->work.notify_one();  // only as many as the job wants: idle helpers that an
-                                                               // earlier, wider job started stay asleep
-  const size_t ran = drain(job);
+  if (wake_all) {
+    pool->work.notify_all();  // one call for all: each wake costs the caller time
+  } else {
+    for (int i = 0; i < helpers; ++i) pool->work.notify_one();  // only as many as the job wants: idle helpers that an
+  }                                                              // earlier, wider job started stay asleep
+  const size_t ran = drain(*job);
+  job->finished.fetch_add(ran, std::memory_order_acq_rel);
+  {
+    std::lock_guard<std::mutex> lock(pool->mutex);
+    for (auto it = pool->queue.begin(); it != pool->queue.end(); ++it)
+      if (it->get() == job.get()) {  // every chunk is taken: helpers that have not joined yet need not
+        pool->queue.erase(it);
+        pool->queued.store(pool->queue.size(), std::memory_order_release);
+        break;
+      }
+  }
+  auto over = [&job] { return job->finished.load(std::memory_order_acquire) == job->chunks; };
+  if (may_poll(threads) && poll(over)) return;
   std::unique_lock<std::mutex> lock(pool->mutex);
-  job.finished += ran;
-  for (auto it = pool->queue.begin(); it != pool->queue.end(); ++it)
-    if (*it == &job) {  // helpers that have not joined yet never will: every chunk is taken
-      pool->queue.erase(it);
-      break;
-    }
-  pool->done.wait(lock, [&job] { return job.helping == 0 && job.finished == job.chunks; });
+  pool->done.wait(lock, over);
 }
 
 }  // namespace tqvec

@@ -502,7 +502,7 @@ void prepare_queries(const QueryTransform& t, const Coarse& c, const float* quer
         rotate(t, v);
       }
     }
-  });
+  }, 1, Idle::kSpin);
 }
 
 }  // namespace tqvec

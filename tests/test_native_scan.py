@@ -8,7 +8,10 @@ tolerance of each other (ties may swap).
 from __future__ import annotations
 
 import multiprocessing
+import os
 import resource
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -529,6 +532,55 @@ def test_a_narrow_search_wakes_only_the_helpers_it_uses(kernel) -> None:
             ivf.search(q, 10, nprobe=4)
         per_search = (_voluntary_switches() - before) / 50
     assert per_search < 8, per_search
+
+
+# A child process that makes 20 two-thread searches, each followed by 10 ms of sleep, and prints the process's CPU
+# seconds during those sleeps (the pool helpers' polling) and its number of usable CPUs. argv: "one-cpu" pins it to one.
+_IDLE_CPU_CHILD = """
+import os, sys, time
+import numpy as np, torch
+from tqvec.ivf import IVFIndex
+if sys.argv[1] == "one-cpu":
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+rng = np.random.default_rng(0)
+x, q = rng.standard_normal((4000, 64), dtype=np.float32), rng.standard_normal((200, 64), dtype=np.float32)
+ivf = IVFIndex(64, 16, 4, "l2", seed=0)
+ivf.add(x)
+torch.set_num_threads(2)
+ivf.search(q, 10, nprobe=4)
+time.sleep(0.5)  # torch's own threads, busy in add(), have gone to sleep
+idle = 0.0
+for _ in range(20):
+    ivf.search(q, 10, nprobe=4)
+    start = time.process_time()
+    time.sleep(0.01)
+    idle += time.process_time() - start
+print(idle, len(os.sched_getaffinity(0)))
+"""
+
+
+def _idle_cpu_after_searches(pinning: str, **env: str) -> tuple[float, int]:
+    env = {**os.environ, "TQVEC_CPU_KERNEL": "native", **env}
+    run = subprocess.run([sys.executable, "-c", _IDLE_CPU_CHILD, pinning], env=env, capture_output=True, text=True,
+                         timeout=300, check=True)
+    idle, cpus = run.stdout.split()
+    return float(idle), int(cpus)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux-only")
+def test_pool_helpers_poll_for_the_next_search_briefly_and_only_where_allowed() -> None:
+    """After a search, its pool helper polls for the next job for up to kSpinMicroseconds (2 ms) before it sleeps, as
+    OpenMP's threads do: 20 searches on 2 threads, each followed by 10 ms of sleep, cost about 20 x 2 ms of CPU in
+    those sleeps, never much more. It does not poll under OMP_WAIT_POLICY=passive, nor where the search has more
+    threads than the process has CPUs (pinned to one CPU)."""
+    idle, cpus = _idle_cpu_after_searches("all")
+    if cpus >= 2:
+        assert 0.010 < idle < 0.080, idle  # 20 polls of 2 ms: ~40 ms, and no helper left spinning
+    else:
+        assert idle < 0.004, idle
+    passive, _ = _idle_cpu_after_searches("all", OMP_WAIT_POLICY="passive")
+    pinned, _ = _idle_cpu_after_searches("one-cpu")
+    assert passive < 0.004 and pinned < 0.004, (passive, pinned)
 
 
 def _search_in_child(index: Index, q: np.ndarray, out) -> None:
