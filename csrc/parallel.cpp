@@ -40,21 +40,10 @@ using Clock = std::chrono::steady_clock;
 struct Job {
   const std::function<void(size_t)>* body;
   size_t chunks;
-  int threads;  // the job's threads (caller included)
   Idle idle;
   std::atomic<size_t> next{0};
   std::atomic<size_t> finished{0};  // chunks done
   int wanted = 0;                   // helpers that may still join (under the pool's mutex)
-};
-
-struct Pool {
-  std::mutex mutex;
-  std::condition_variable work, done;
-  std::deque<std::shared_ptr<Job>> queue;
-  std::atomic<size_t> queued{0};  // queue.size(), for helpers that poll without the mutex
-  int started = 0;
-  int sleeping = 0;  // helpers waiting on `work` (under the mutex)
-  pid_t pid = getpid();
 };
 
 // The CPUs this process may run on.
@@ -75,21 +64,32 @@ bool polling_allowed() {
   return allowed;
 }
 
-// Whether a job on `threads` threads may poll: allowed, and every thread has a CPU of its own.
-bool may_poll(int threads) {
-  static const int cpus = usable_cpus();
-  return polling_allowed() && threads <= cpus;
-}
+struct Pool {
+  std::mutex mutex;
+  std::condition_variable work, done;
+  std::deque<std::shared_ptr<Job>> queue;
+  std::atomic<size_t> queued{0};  // queue.size(), for helpers that poll without the mutex
+  std::atomic<int> started{0};    // helpers (changed under the mutex)
+  std::atomic<int> callers{0};    // threads inside run_chunks with helpers
+  int sleeping = 0;               // helpers waiting on `work` (under the mutex)
+  const int cpus = usable_cpus();  // when the pool starts (a forked child starts its own)
+  pid_t pid = getpid();
 
-// Polls until done() or kSpinMicroseconds have passed; returns done().
+  // Whether threads may poll: allowed, and the helpers and the callers each have a CPU of their own (several callers
+  // at once may otherwise be more threads than CPUs, and a thread that polls holds a CPU that one with work could use).
+  bool may_poll() const { return polling_allowed() && started.load() + callers.load() <= cpus; }
+};
+
+// Polls until done() or kSpinMicroseconds have passed; returns done(). done() is read after every pause (a pause takes
+// up to ~140 cycles), the clock after every 64.
 template <class Done>
 bool poll(Done done) {
   const auto until = Clock::now() + std::chrono::microseconds(kSpinMicroseconds);
-  while (!done()) {
-    for (int i = 0; i < 32; ++i) TQVEC_PAUSE();
-    if (Clock::now() >= until) return done();
+  for (unsigned i = 1;; ++i) {
+    if (done()) return true;
+    TQVEC_PAUSE();
+    if (i % 64 == 0 && Clock::now() >= until) return done();
   }
-  return true;
 }
 
 // Runs chunks of `job` until none is left; returns how many it ran.
@@ -106,7 +106,7 @@ void serve(Pool* pool) {
     if (spin && pool->queue.empty()) {
       lock.unlock();
       poll([pool] { return pool->queued.load(std::memory_order_acquire) != 0; });
-      while (!lock.try_lock()) TQVEC_PAUSE();
+      lock.lock();
     }
     ++pool->sleeping;
     pool->work.wait(lock, [pool] { return !pool->queue.empty(); });
@@ -118,7 +118,7 @@ void serve(Pool* pool) {
     }
     lock.unlock();
     const size_t ran = drain(*job);
-    spin = job->idle == Idle::kSpin && may_poll(job->threads);
+    spin = job->idle == Idle::kSpin && pool->may_poll();
     const bool last = ran && job->finished.fetch_add(ran, std::memory_order_acq_rel) + ran == job->chunks;
     lock.lock();
     if (last) pool->done.notify_all();  // under the mutex: a caller between its check and its wait cannot miss it
@@ -147,18 +147,18 @@ void run_chunks(size_t chunks, int threads, const std::function<void(size_t)>& b
     return;
   }
   Pool* pool = pool_of_this_process();
+  pool->callers.fetch_add(1);
   // On the heap, shared with the helpers that join it: one that joins after the last chunk was taken finds none and
   // lets go, and the caller need not wait for it (body is only called for a chunk taken, before `finished` counts it).
   auto job = std::make_shared<Job>();
   job->body = &body;
   job->chunks = chunks;
-  job->threads = threads;
   job->idle = idle;
   job->wanted = helpers;
   bool wake_all;
   {
     std::lock_guard<std::mutex> lock(pool->mutex);
-    for (; pool->started < helpers; ++pool->started) std::thread(serve, pool).detach();
+    for (; pool->started.load() < helpers; pool->started.fetch_add(1)) std::thread(serve, pool).detach();
     pool->queue.push_back(job);
     pool->queued.store(pool->queue.size(), std::memory_order_release);
     wake_all = helpers >= pool->sleeping;
@@ -180,9 +180,11 @@ void run_chunks(size_t chunks, int threads, const std::function<void(size_t)>& b
       }
   }
   auto over = [&job] { return job->finished.load(std::memory_order_acquire) == job->chunks; };
-  if (may_poll(threads) && poll(over)) return;
-  std::unique_lock<std::mutex> lock(pool->mutex);
-  pool->done.wait(lock, over);
+  if (!(pool->may_poll() && poll(over))) {
+    std::unique_lock<std::mutex> lock(pool->mutex);
+    pool->done.wait(lock, over);
+  }
+  pool->callers.fetch_sub(1);
 }
 
 }  // namespace tqvec

@@ -15,8 +15,8 @@ enum class Idle {
 };
 
 // How long the pool's threads poll for a job after a kSpin job, and the calling thread for the last chunks of its own
-// job, before they sleep. Neither polls where the job has more threads than the process has CPUs, or where
-// OMP_WAIT_POLICY is "passive" (the standard switch, read once per process).
+// job, before they sleep. Neither polls where the pool's threads and the threads calling into it outnumber the CPUs the
+// process had when the pool started, or where OMP_WAIT_POLICY is "passive" (the standard switch, read once per process).
 constexpr long kSpinMicroseconds = 2000;
 
 // Runs body(c) for every chunk c in [0, chunks) on the calling thread and up to `threads` - 1 pool threads; each
