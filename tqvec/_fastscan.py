@@ -24,7 +24,7 @@ QJL signs (``mode="prod"``) are not served: the torch path runs.
 Which kernel runs: :func:`set_cpu_kernel` (``"auto"``, ``"native"``, ``"torch"``; default from the environment
 variable ``TQVEC_CPU_KERNEL``, else ``"auto"``). Threads: ``torch.get_num_threads()`` at call time, from a pool
 started once per process; after a search its threads poll for the next one for up to 2 ms before they sleep, as
-OpenMP's threads do, unless the search has more threads than the process has CPUs or ``OMP_WAIT_POLICY=passive``.
+OpenMP's threads do, unless the pool's threads and its callers outnumber the CPUs or ``OMP_WAIT_POLICY=passive``.
 """
 from __future__ import annotations
 
