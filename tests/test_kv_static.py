@@ -290,6 +290,7 @@ def _filled(bits: int, batch: int, heads: int, d: int, prompt: int, steps: int, 
         layer.crop(-crop)
     for _ in range(steps):
         layer.update(new(1), new(1))
+    layer.flush()  # what a model's attention does next (on CUDA an update leaves its write to it)
     return layer
 
 

@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 from kv_models import tiny_llama  # noqa: E402 (tests/support)
 
 from tqvec.kv import StaticTurboQuantCache, static_ops, step_graphs  # noqa: E402
+from tqvec.kv.static import StaticKV  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 
@@ -106,9 +107,44 @@ def test_graphed_steps_equal_launched_steps(monkeypatch, pads) -> None:
     graphed, slots, tokens = steps()
     monkeypatch.setattr(step_graphs, "ENABLED", False)
     launched, none, reference_tokens = steps()
-    assert slots == [(("write", "attend"), 2)] * 2 and none == [((), 0)] * 2  # recorded once, replayed 39 times
+    assert slots == [(("step",), 1)] * 2 and none == [((), 0)] * 2  # recorded once, replayed 39 times
     assert torch.equal(graphed, launched)
     assert torch.equal(tokens, reference_tokens)
+
+
+@cuda
+def test_a_deferred_write_is_made_before_anything_else_reads_the_layer(monkeypatch) -> None:
+    """On CUDA a one-token update leaves its write to the step's attention (one graph for both); the layer's length,
+    its tokens, a copy or a crop asked for before that attention see the token written, as the launched path does."""
+    model = tiny_llama().cuda()
+    ids = torch.randint(1, 64, (1, 30), generator=torch.Generator().manual_seed(7)).cuda()
+
+    def prompt_and_one_update(enabled: bool) -> StaticTurboQuantCache:
+        monkeypatch.setattr(step_graphs, "ENABLED", enabled)
+        cache = _cache(model)
+        with torch.no_grad():
+            model(input_ids=ids, cache=cache)
+            b, h, _, d = cache.layers[0].ring_keys.shape
+            x = torch.randn(b, h, 2, d, generator=torch.Generator().manual_seed(8)).cuda()
+            cache.update(x[:, :, :1], x[:, :, 1:], 0)
+        return cache
+
+    def tokens(cache: StaticTurboQuantCache) -> tuple[int, torch.Tensor]:
+        handle = StaticKV(cache.layers[0]).materialize()
+        return handle.n_codes, torch.cat([handle.sink_keys, handle.keys], dim=2).cpu()
+
+    reads = {"length": lambda c: int(c.get_seq_length(0)), "tokens": tokens,
+             "copy": lambda c: int(copy.deepcopy(c).layers[0].lengths[0]),
+             "crop": lambda c: (c.crop(-1), int(c.layers[0].lengths[0]))[1]}
+    for name, read in reads.items():
+        launched, graphed = prompt_and_one_update(False), prompt_and_one_update(True)
+        assert launched.layers[0].pending is None and graphed.layers[0].pending is not None, name
+        expected, got = read(launched), read(graphed)
+        assert graphed.layers[0].pending is None, name
+        if name == "tokens":
+            assert got[0] == expected[0] and torch.equal(got[1], expected[1])
+        else:
+            assert got == expected == (31 if name != "crop" else 30), name
 
 
 @cuda

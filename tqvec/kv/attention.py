@@ -279,6 +279,7 @@ def static_attention(layer: StaticTurboQuantLayer, query: torch.Tensor, mask: to
     token was written). CUDA: the decode kernel's ring mode (:func:`static_decode_step`, no host synchronization);
     elsewhere the dynamic cache's paths over :meth:`StaticKV.materialize <tqvec.kv.static.StaticKV.materialize>`.
     ``mask``: boolean ``(b, 1, 1, max_cache_len)`` or None."""
+    layer.flush()
     handle = StaticKV(layer)
     if query.is_cuda:
         return _bound_step(layer, tuple(layer.buffers()), (scaling,),
@@ -294,19 +295,28 @@ def static_attention(layer: StaticTurboQuantLayer, query: torch.Tensor, mask: to
     return scan.attend(decode_step(coded, query, mask, scaling)).reshape(query.shape)
 
 
-def _replayed_static_attention(layer: StaticTurboQuantLayer, query: torch.Tensor, mask: torch.Tensor | None,
-                               scaling: float) -> torch.Tensor:
-    """:func:`static_attention` on CUDA through the layer's recorded graph (:mod:`tqvec.kv.step_graphs`): the query and
-    the mask's validity row ``(b, max_cache_len)`` are the graph's inputs; recorded again when the layer's buffers, the
-    mask's presence, the scaling or the decode kernels' tuning constants change."""
+def _replayed_static_step(layer: StaticTurboQuantLayer, query: torch.Tensor, mask: torch.Tensor | None,
+                          scaling: float) -> torch.Tensor:
+    """A one-token step on CUDA through the layer's recorded graph (:mod:`tqvec.kv.step_graphs`): the write of the
+    step's key and value that :meth:`StaticTurboQuantLayer.update` deferred (:attr:`~StaticTurboQuantLayer.pending`),
+    then :func:`static_attention`; output ``(b, 1, hq, d)`` (the attention function's layout). The query, key and value
+    are the graph's inputs, and the mask's validity rows are read from the buffer the cache's graphs share
+    (:meth:`GraphPool.validity <tqvec.kv.step_graphs.GraphPool.validity>`); recorded again when the layer's buffers, the
+    mask's presence or buffer, the scaling or the decode kernels' tuning constants change."""
     from ..kernels import attention as kernel  # noqa: PLC0415 - Triton is optional
 
-    def step(q: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-        return static_attention(layer, q, None if valid is None else valid[:, None, None, :], scaling)
+    (key, value), layer.pending = layer.pending, None
+    pool = layer.graphs.pool
+    rows = None if mask is None else pool.validity(mask, query.shape[0])
 
-    inputs = (query,) if mask is None else (query, _valid(mask, query))
-    return layer.graphs.run("attend", (layer.buffer_token, mask is None, scaling, kernel.tuning()), inputs, step,
-                            lambda: tuple(layer.buffers()))
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        layer.write_one(k, v)
+        out = static_attention(layer, q, None if rows is None else rows[:, None, None, :], scaling)
+        return out.transpose(1, 2).contiguous()
+
+    key_of_step = (layer.buffer_token, None if rows is None else pool.validity_token, scaling, kernel.tuning())
+    return layer.graphs.run("step", key_of_step, (query, key, value), step,
+                            lambda: (*layer.buffers(), *(() if rows is None else (rows,))))
 
 
 def compressed_attention(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
@@ -430,12 +440,13 @@ def tqvec_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, v
     if isinstance(key, StaticKV):  # a static cache's one-token step (a custom operator when traced: tqvec.kv.static_ops)
         attention_mask = _allowed(attention_mask)
         scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+        layer = key.layer
+        if layer.pending is not None and replayable(query):  # eager on CUDA: write and attend in the recorded graph
+            return _replayed_static_step(layer, query, attention_mask, scaling), None
         if torch.compiler.is_compiling():
-            out = torch.ops.tqvec.static_attend(query, attention_mask, key.layer.buffers(), key.layer.op_key, scaling)
-        elif replayable(query):  # eager on CUDA: the step's recorded graph
-            out = _replayed_static_attention(key.layer, query, attention_mask, scaling)
+            out = torch.ops.tqvec.static_attend(query, attention_mask, layer.buffers(), layer.op_key, scaling)
         else:  # eager: the operator's body without its dispatch
-            out = static_attention(key.layer, query, attention_mask, scaling)
+            out = static_attention(layer, query, attention_mask, scaling)
         return out.transpose(1, 2).contiguous(), None
     if not isinstance(key, CompressedKV):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

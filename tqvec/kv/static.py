@@ -7,8 +7,10 @@ CUDA graphs), as it does for ``StaticCache``, and a step can also be captured by
 ``tqvec bench kv-graph`` measures both). The step's writes and its attention are custom operators
 (:mod:`tqvec.kv.static_ops`), so ``torch.compile(model, fullgraph=True)`` traces a step in one graph; the buffers are
 static addresses, and whatever a step caches is made when they are allocated (:func:`~tqvec.kv.attention.prepare_static_step`).
-Run eagerly on CUDA, a layer records its step's write and attention in CUDA graphs of its own and replays them
-(:mod:`tqvec.kv.step_graphs`), so an eager decode loop pays tens of microseconds of host time per layer for them.
+Run eagerly on CUDA, a layer's one-token update leaves its write to the step's attention, which records both in one
+CUDA graph of the layer's own and replays it (:mod:`tqvec.kv.step_graphs`), so an eager decode loop pays tens of
+microseconds of host time per layer for them; whatever reads or edits the layer before that attention (its length, its
+tokens, a copy, a crop) writes the token first (:meth:`StaticTurboQuantLayer.flush`).
 
 Per full-attention layer (:class:`StaticTurboQuantLayer`), cache positions are split three ways:
 
@@ -96,6 +98,7 @@ class StaticKV:
 
     def materialize(self) -> CompressedKV:
         """The same tokens as a :class:`~tqvec.kv.cache.CompressedKV` (window in position order), read on the host."""
+        self.layer.flush()
         return self.layer.handle(*self.layer.lengths.tolist())
 
 
@@ -125,6 +128,9 @@ class StaticTurboQuantLayer(CacheLayerMixin):
         self.key_perm = self.value_perm = None  # one channel group: no channel order (read by the shared attention)
         #: the CUDA graphs of eager one-token steps (:mod:`tqvec.kv.step_graphs`), recorded into ``graph_pool``
         self.graphs = StepGraphs(GraphPool() if graph_pool is None else graph_pool)
+        #: an eager CUDA one-token step's ``(key, value)``, written by the step's attention in the same graph
+        #: (:meth:`update`), or by :meth:`flush` where anything else reads the layer first; None: nothing deferred
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def capacity(self) -> int:
@@ -170,6 +176,7 @@ class StaticTurboQuantLayer(CacheLayerMixin):
     def __deepcopy__(self, memo: dict) -> "StaticTurboQuantLayer":
         """A copy with its own buffers (and no recorded step graphs) that shares the codecs, as layers of one
         specification do, and is registered for the compiled step's operators under the same key."""
+        self.flush()
         twin = _copy_sharing_codecs(self, memo, (self.key_codec, self.value_codec))
         if twin.is_initialized:
             twin._register_buffers()
@@ -207,6 +214,7 @@ class StaticTurboQuantLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write ``(b, h, t, d)`` keys/values; return the read handle twice (:class:`StaticKV` for one token, else a
         :class:`~tqvec.kv.cache.CompressedKV`)."""
+        self.flush()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         elif key_states.shape[:2] != self.ring_keys.shape[:2] or key_states.shape[-1] != self.ring_keys.shape[-1]:
@@ -216,9 +224,8 @@ class StaticTurboQuantLayer(CacheLayerMixin):
         if key_states.shape[2] == 1:
             if torch.compiler.is_compiling():
                 torch.ops.tqvec.static_append(key_states, value_states, self.buffers(), self.op_key)
-            elif replayable(key_states):  # eager on CUDA: the step's recorded graph (tqvec.kv.step_graphs)
-                self.graphs.run("write", (self.buffer_token,), (key_states, value_states), self.write_one,
-                                lambda: tuple(self.buffers()))
+            elif replayable(key_states):  # eager on CUDA: written by the attention's recorded graph (tqvec.kv.step_graphs)
+                self.pending = (key_states, value_states)
             else:  # eager: the operator's body without its dispatch (which cost more than the step's kernels)
                 if not key_states.is_cuda:  # the host holds the length here (on CUDA reading it would synchronize)
                     self._check_room(int(self.lengths[0]), 1)
@@ -228,6 +235,13 @@ class StaticTurboQuantLayer(CacheLayerMixin):
         checks.check_states(key_states, value_states, self.key_codec.head_dim)
         handle = self._append_many(key_states, value_states)
         return handle, handle
+
+    def flush(self) -> None:
+        """Write the one-token step that :meth:`update` deferred to its attention (:attr:`pending`), if any, by
+        launching its kernels: what reads or edits the layer outside the step's attention calls it first."""
+        if self.pending is not None:
+            (key, value), self.pending = self.pending, None
+            self.write_one(key, value)
 
     def write_one(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """One token at position ``total``, without host synchronization and with fixed shapes: three Triton launches
@@ -321,11 +335,13 @@ class StaticTurboQuantLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ sizes
     def get_seq_length(self) -> torch.Tensor | int:
         """Cached tokens: a 0-d device tensor (as ``StaticLayer``'s, read without synchronizing), 0 before any update."""
+        self.flush()
         return self.lengths[0] if self.is_initialized else 0
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(max_cache_len, 0)`` for one-token steps (a fixed mask shape, no host synchronization); for several tokens
         the cached length plus ``query_length`` (eager: a prompt then gets SDPA's causal path, no mask)."""
+        self.flush()
         if query_length == 1 or not self.is_initialized:
             return (self.max_cache_len if query_length == 1 else query_length), 0
         return int(self.lengths[0]) + query_length, 0
@@ -342,6 +358,7 @@ class StaticTurboQuantLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ edits
     def reset(self) -> None:
         """Forget every token (buffers kept in place; the next prompt sets the means again)."""
+        self.pending = None
         if self.is_initialized:
             self.lengths.copy_(torch.tensor([0, self.sinks]))
             self.centered = False
@@ -351,6 +368,7 @@ class StaticTurboQuantLayer(CacheLayerMixin):
         coded stay coded: the window then holds fewer tokens until new ones fill it."""
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative number of tokens to remove")
+        self.flush()
         if tokens_to_remove == 0 or not self.is_initialized:
             return
         total, codes_end = self.lengths.tolist()
@@ -359,6 +377,7 @@ class StaticTurboQuantLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder the batch rows in place (beam search; buffer addresses are kept)."""
+        self.flush()
         if not self.is_initialized:
             return
         index = beam_idx.to(self.device)

@@ -2,16 +2,19 @@
 
 A one-token step of a :class:`~tqvec.kv.static.StaticTurboQuantLayer` on CUDA has fixed shapes, fixed addresses and
 no host synchronization (the module docstring of :mod:`tqvec.kv.static`). Run eagerly (not traced by
-``torch.compile``, not inside a graph the caller is capturing), the layer records its write (the fused append kernels
-and the length update) and its attention (the decode kernels' split and combine) in two CUDA graphs, and later steps
-copy the step's key and value, and its query (and mask, when one is given), into the graphs' input buffers and replay
-them: tens of microseconds of host time per layer where the Python around the launches cost a few hundred
-(docs/kv.md). An eager ``generate()`` or decode loop over a :class:`~tqvec.kv.StaticTurboQuantCache` gets this
-without asking; :data:`ENABLED` switches it off.
+``torch.compile``, not inside a graph the caller is capturing), the layer's update leaves the step's write to the
+step's attention (:attr:`~tqvec.kv.static.StaticTurboQuantLayer.pending`), which records the write (the fused append
+kernels and the length update) and the attention (the decode kernels' split and combine) in one CUDA graph; later
+steps copy the step's query, key and value into the graph's input buffers (one launch) and the mask's validity rows,
+when a mask is given, into a buffer all the cache's graphs read (once per step: transformers gives every layer the same
+mask, :meth:`GraphPool.validity`), and replay it: tens of microseconds of host time per layer where the Python around
+the launches cost a few hundred (docs/kv.md). An eager ``generate()`` or decode loop over a
+:class:`~tqvec.kv.StaticTurboQuantCache` gets this without asking; :data:`ENABLED` switches it off.
 
 A graph is recorded again whenever what it was recorded for changes: the step's shapes and dtypes, whether a mask is
-given, the scaling, the decode kernels' tuning constants, autocast, or the layer's buffers themselves (a layer keeps
-its buffers; the recorded entry holds them, so an address a graph writes cannot be freed under it). The step that
+given (and the validity buffer), the scaling, the decode kernels' tuning constants, autocast, or the layer's buffers
+themselves (a layer keeps its buffers; the recorded entry holds them, so an address a graph writes cannot be freed
+under it). The step that
 records runs eagerly first on the copied inputs (doing the step's work and compiling any new kernel specialization),
 then records (a recording runs nothing); a step that cannot be recorded (a synchronization inside it, say) warns once
 and runs eagerly from then on for that key. All graphs of one cache share one memory pool and one recording stream
@@ -36,13 +39,17 @@ ENABLED = True
 
 
 class GraphPool:
-    """One CUDA graph memory pool and one recording stream, made at first use, shared by the step graphs of one cache's
-    layers (the caching allocator reuses a freed block only on the stream that allocated it: one stream lets the
-    graphs' temporaries share memory). A copy is a new, unused pool."""
+    """What the step graphs of one cache's layers share: one CUDA graph memory pool and one recording stream, made at
+    first use (the caching allocator reuses a freed block only on the stream that allocated it: one stream lets the
+    graphs' temporaries share memory), and the step's validity rows (:meth:`validity`). A copy is a new, unused pool."""
 
     def __init__(self) -> None:
         self._handle = None
         self._stream: torch.cuda.Stream | None = None
+        self._mask: torch.Tensor | None = None
+        self._rows: torch.Tensor | None = None
+        #: names the buffer :meth:`validity` returns (a new object whenever it is another buffer)
+        self.validity_token = object()
 
     @property
     def handle(self):
@@ -56,6 +63,21 @@ class GraphPool:
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=device)
         return self._stream
+
+    def validity(self, mask: torch.Tensor, batch: int) -> torch.Tensor:
+        """The validity rows ``(batch, kv_length)`` of a one-token step's boolean ``mask`` ``(b, 1, 1, kv_length)``, in
+        the buffer the cache's step graphs read: copied there when ``mask`` is another tensor than the last one given
+        (transformers makes one mask per forward, for every layer), made anew (with a new :attr:`validity_token`) when
+        its shape, dtype or device changes."""
+        if mask is not self._mask:
+            rows = mask[:, 0, 0, :].expand(batch, -1)
+            held = self._rows
+            if held is None or (held.shape, held.dtype, held.device) != (rows.shape, rows.dtype, rows.device):
+                self._rows, self.validity_token = rows.clone(memory_format=torch.contiguous_format), object()
+            else:
+                held.copy_(rows)
+            self._mask = mask
+        return self._rows
 
     def __reduce__(self):
         return GraphPool, ()
@@ -136,13 +158,12 @@ class StepGraphs:
         if held is not None and held.key == key:
             if held.graph is None:
                 return step(*inputs)
-            for buffer, x in zip(held.inputs, inputs):
-                buffer.copy_(x)
+            torch._foreach_copy_(held.inputs, inputs)  # one launch where the inputs share a dtype
             held.graph.replay()
             return None if held.output is None else held.output.clone()
         self._recorded.pop(slot, None)
         device = inputs[0].device
-        buffers = tuple(x.clone(memory_format=torch.contiguous_format) for x in inputs)
+        buffers = tuple(x.clone() for x in inputs)  # the inputs' strides where dense (the copies' fast path needs them)
         result = step(*buffers)  # this step's work, eagerly (and any kernel compilation, outside the recording)
         graph = torch.cuda.CUDAGraph()
         side = self.pool.stream(device)
