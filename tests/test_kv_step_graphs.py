@@ -57,6 +57,27 @@ def test_copies_of_a_cache_start_without_graphs_and_share_the_codecs() -> None:
     assert all(layer in static_ops._LAYERS[key] for layer in twin.layers)
 
 
+def test_the_validity_rows_follow_the_mask_given() -> None:
+    """The rows the cache's step graphs read are copied once per mask object, again when that mask is written in place
+    (a preallocated mask updated between steps), and into a new buffer (a new token: graphs record again) only when
+    the shape changes."""
+    pool = step_graphs.GraphPool()
+    mask = torch.ones(2, 1, 1, 8, dtype=torch.bool)
+    rows, token = pool.validity(mask, 2), pool.validity_token
+    assert rows.tolist() == [[True] * 8] * 2
+    mask[1, ..., :3] = False
+    assert pool.validity(mask, 2) is rows and rows[1].tolist() == [False] * 3 + [True] * 5
+    other = torch.zeros(1, 1, 1, 8, dtype=torch.bool)
+    assert pool.validity(other, 2) is rows and not rows.any() and pool.validity_token is token  # one row for both
+    wider = pool.validity(torch.ones(2, 1, 1, 9, dtype=torch.bool), 2)
+    assert wider.shape == (2, 9) and bool(wider.all()) and pool.validity_token is not token
+    with torch.inference_mode():  # an inference tensor has no version: copied at every call
+        frozen = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+        assert bool(pool.validity(frozen, 2).all())
+        frozen[0, ..., 4:] = False
+        assert pool.validity(frozen, 2)[0].tolist() == [True] * 4 + [False] * 5
+
+
 @cuda
 def test_run_records_once_replays_and_returns_copies() -> None:
     graphs = step_graphs.StepGraphs(step_graphs.GraphPool())

@@ -46,7 +46,7 @@ class GraphPool:
     def __init__(self) -> None:
         self._handle = None
         self._stream: torch.cuda.Stream | None = None
-        self._mask: torch.Tensor | None = None
+        self._mask: tuple[torch.Tensor, int | None] | None = None  # the last mask given and its version then
         self._rows: torch.Tensor | None = None
         #: names the buffer :meth:`validity` returns (a new object whenever it is another buffer)
         self.validity_token = object()
@@ -66,17 +66,29 @@ class GraphPool:
 
     def validity(self, mask: torch.Tensor, batch: int) -> torch.Tensor:
         """The validity rows ``(batch, kv_length)`` of a one-token step's boolean ``mask`` ``(b, 1, 1, kv_length)``, in
-        the buffer the cache's step graphs read: copied there when ``mask`` is another tensor than the last one given
-        (transformers makes one mask per forward, for every layer), made anew (with a new :attr:`validity_token`) when
-        its shape, dtype or device changes."""
-        if mask is not self._mask:
+        the buffer the cache's step graphs read: copied there unless ``mask`` is the last tensor given, unchanged since
+        (transformers makes one mask per forward, for every layer; a mask written in place counts as changed, and so
+        does every inference tensor, which keeps no version), made anew (with a new :attr:`validity_token`) when its
+        shape, dtype or device changes.
+
+        Examples
+        --------
+        >>> pool = GraphPool()
+        >>> mask = torch.ones(2, 1, 1, 8, dtype=torch.bool)
+        >>> rows = pool.validity(mask, 2)
+        >>> mask[1, ..., :3] = False  # in place: copied again, into the same buffer
+        >>> pool.validity(mask, 2) is rows, rows[1].sum().item()
+        (True, 5)
+        """
+        version = None if mask.is_inference() else mask._version
+        if self._mask is None or mask is not self._mask[0] or version is None or version != self._mask[1]:
             rows = mask[:, 0, 0, :].expand(batch, -1)
             held = self._rows
             if held is None or (held.shape, held.dtype, held.device) != (rows.shape, rows.dtype, rows.device):
                 self._rows, self.validity_token = rows.clone(memory_format=torch.contiguous_format), object()
             else:
                 held.copy_(rows)
-            self._mask = mask
+            self._mask = (mask, version)
         return self._rows
 
     def __reduce__(self):
