@@ -59,23 +59,74 @@ def test_copies_of_a_cache_start_without_graphs_and_share_the_codecs() -> None:
 
 def test_the_validity_rows_follow_the_mask_given() -> None:
     """The rows the cache's step graphs read are copied once per mask object, again when that mask is written in place
-    (a preallocated mask updated between steps), and into a new buffer (a new token: graphs record again) only when
-    the shape changes."""
+    (a preallocated mask updated between steps), when it is an inference tensor (no version to compare) and after
+    forget_masks (each forward's first layer), and into a new buffer (a new token: graphs record again) only when the
+    shape changes."""
     pool = step_graphs.GraphPool()
     mask = torch.ones(2, 1, 1, 8, dtype=torch.bool)
-    rows, token = pool.validity(mask, 2), pool.validity_token
+    rows, token = pool.validity(mask, 2)
     assert rows.tolist() == [[True] * 8] * 2
     mask[1, ..., :3] = False
-    assert pool.validity(mask, 2) is rows and rows[1].tolist() == [False] * 3 + [True] * 5
+    again, again_token = pool.validity(mask, 2)
+    assert again is rows and again_token is token and rows[1].tolist() == [False] * 3 + [True] * 5
     other = torch.zeros(1, 1, 1, 8, dtype=torch.bool)
-    assert pool.validity(other, 2) is rows and not rows.any() and pool.validity_token is token  # one row for both
-    wider = pool.validity(torch.ones(2, 1, 1, 9, dtype=torch.bool), 2)
-    assert wider.shape == (2, 9) and bool(wider.all()) and pool.validity_token is not token
+    assert pool.validity(other, 2)[0] is rows and not rows.any()  # one row for both batch rows
+    other.data[0, ..., :2] = True  # a write the version counter does not see: copied again after forget_masks
+    pool.forget_masks()
+    assert pool.validity(other, 2)[0][:, :2].all()
+    wider, wider_token = pool.validity(torch.ones(2, 1, 1, 9, dtype=torch.bool), 2)
+    assert wider.shape == (2, 9) and bool(wider.all()) and wider_token is not token
     with torch.inference_mode():  # an inference tensor has no version: copied at every call
         frozen = torch.ones(2, 1, 1, 9, dtype=torch.bool)
-        assert bool(pool.validity(frozen, 2).all())
+        assert bool(pool.validity(frozen, 2)[0].all())
         frozen[0, ..., 4:] = False
-        assert pool.validity(frozen, 2)[0].tolist() == [True] * 4 + [False] * 5
+        assert pool.validity(frozen, 2)[0][0].tolist() == [True] * 4 + [False] * 5
+
+
+def test_each_forward_starts_the_mask_copies_anew() -> None:
+    """The cache's first compressed layer (only it) opens a step: its update makes the pool copy the next mask."""
+    model = tiny_llama()
+    cache = _cache(model)
+    assert [layer.opens_step for layer in cache.layers] == [True] + [False] * (len(cache.layers) - 1)
+    pool = cache.layers[0].graphs.pool
+    mask = torch.ones(1, 1, 1, 96, dtype=torch.bool)
+    rows, _ = pool.validity(mask, 1)
+    mask.data[..., 50:] = False
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 12, dtype=torch.long), cache=cache)
+    assert pool.validity(mask, 1)[0][0, 50:].sum() == 0
+
+
+def test_a_traced_attention_writes_the_token_its_eager_update_deferred() -> None:
+    """Where a one-token update ran eagerly on CUDA (deferring its write) and the attention is traced (a graph break
+    between them), the traced attention writes the token first, into its own layer only. Simulated on the CPU: the
+    deferral is made by hand, and aot_eager runs the traced attention."""
+    from tqvec.kv.attention import tqvec_attention_forward  # noqa: PLC0415
+
+    model = tiny_llama()
+    ids = torch.randint(1, 64, (1, 30), generator=torch.Generator().manual_seed(9))
+
+    def prompted() -> StaticTurboQuantCache:
+        cache = _cache(model)
+        with torch.no_grad():
+            model(input_ids=ids, cache=cache)
+        return cache
+
+    deferred, written = prompted(), prompted()
+    b, h, _, d = deferred.layers[0].ring_keys.shape
+    g = torch.Generator().manual_seed(10)
+    k, v, q = torch.randn(b, h, 1, d, generator=g), torch.randn(b, h, 1, d, generator=g), torch.randn(b, 2 * h, 1, d, generator=g)
+    written.update(k, v, 0)
+    handle = StaticKV(deferred.layers[0])
+    deferred.layers[0].pending = (k, v)  # what update() does on CUDA
+    traced = torch.compile(lambda q: tqvec_attention_forward(None, q, handle, handle, None, d ** -0.5)[0],
+                           backend="aot_eager")
+    with torch.no_grad():
+        got = traced(q)
+        expected = tqvec_attention_forward(None, q, StaticKV(written.layers[0]), None, None, d ** -0.5)[0]
+    assert deferred.layers[0].pending is None
+    assert [layer.lengths.tolist() for layer in deferred.layers] == [layer.lengths.tolist() for layer in written.layers]
+    assert torch.equal(got, expected)
 
 
 @cuda

@@ -306,15 +306,14 @@ def _replayed_static_step(layer: StaticTurboQuantLayer, query: torch.Tensor, mas
     from ..kernels import attention as kernel  # noqa: PLC0415 - Triton is optional
 
     (key, value), layer.pending = layer.pending, None
-    pool = layer.graphs.pool
-    rows = None if mask is None else pool.validity(mask, query.shape[0])
+    rows, token = (None, None) if mask is None else layer.graphs.pool.validity(mask, query.shape[0])
 
     def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         layer.write_one(k, v)
         out = static_attention(layer, q, None if rows is None else rows[:, None, None, :], scaling)
         return out.transpose(1, 2).contiguous()
 
-    key_of_step = (layer.buffer_token, None if rows is None else pool.validity_token, scaling, kernel.tuning())
+    key_of_step = (layer.buffer_token, token, scaling, kernel.tuning())
     return layer.graphs.run("step", key_of_step, (query, key, value), step,
                             lambda: (*layer.buffers(), *(() if rows is None else (rows,))))
 
@@ -444,6 +443,8 @@ def tqvec_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, v
         if layer.pending is not None and replayable(query):  # eager on CUDA: write and attend in the recorded graph
             return _replayed_static_step(layer, query, attention_mask, scaling), None
         if torch.compiler.is_compiling():
+            if layer.pending is not None:  # its update ran eagerly (a graph break): write the token before the trace
+                _flush_eagerly(layer)
             out = torch.ops.tqvec.static_attend(query, attention_mask, layer.buffers(), layer.op_key, scaling)
         else:  # eager: the operator's body without its dispatch
             out = static_attention(layer, query, attention_mask, scaling)
@@ -480,6 +481,9 @@ def _compressed_forward(module: torch.nn.Module, query: torch.Tensor, key: Compr
         out = compressed_attention(key, query, attention_mask, scaling).to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
 
+
+#: :meth:`StaticTurboQuantLayer.flush` run eagerly inside a compiled model
+_flush_eagerly = torch.compiler.disable(StaticTurboQuantLayer.flush)
 
 #: :func:`_compressed_forward` run eagerly inside a compiled model (it reads lengths on the host and launches Triton
 #: kernels that dynamo does not trace): a static cache's prompt chunks under generate()'s compilation

@@ -112,6 +112,9 @@ class StaticTurboQuantLayer(CacheLayerMixin):
     is_compileable = True
     is_sliding = False
     is_croppable = True
+    #: the cache's first compressed layer: its update starts a forward, where the step graphs' mask copies start anew
+    #: (:meth:`GraphPool.forget_masks <tqvec.kv.step_graphs.GraphPool.forget_masks>`)
+    opens_step = False
 
     def __init__(self, key_codec: HeadCodec, value_codec: HeadCodec, max_cache_len: int, window: int = 128,
                  sinks: int = 4, graph_pool: GraphPool | None = None) -> None:
@@ -139,6 +142,7 @@ class StaticTurboQuantLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         checks.check_states(key_states, value_states, self.key_codec.head_dim)
+        self.pending = None  # new buffers: a token deferred for the old ones is not written into them
         self.device, self.dtype = key_states.device, key_states.dtype
         b, h, _, d = key_states.shape
         new = lambda t: key_states.new_zeros((b, h, t, d))  # noqa: E731
@@ -202,7 +206,7 @@ class StaticTurboQuantLayer(CacheLayerMixin):
         if all(a is b for a, b in zip(tensors, self.buffers())):
             return self
         twin = copy.copy(self)
-        twin.buffer_token = object()
+        twin.buffer_token, twin.pending = object(), None  # this layer's deferred token is not the other buffers' one
         (twin.sink_keys, twin.sink_values, twin.ring_keys, twin.ring_values, twin.key_mean, twin.value_mean, twin.lengths,
          twin.all_valid, key_packed, key_scales, value_packed, value_scales) = tensors
         twin.key_store, twin.value_store = copy.copy(self.key_store), copy.copy(self.value_store)
@@ -215,6 +219,8 @@ class StaticTurboQuantLayer(CacheLayerMixin):
         """Write ``(b, h, t, d)`` keys/values; return the read handle twice (:class:`StaticKV` for one token, else a
         :class:`~tqvec.kv.cache.CompressedKV`)."""
         self.flush()
+        if self.opens_step and not torch.compiler.is_compiling():  # a new forward: its mask is copied for the graphs
+            self.graphs.pool.forget_masks()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         elif key_states.shape[:2] != self.ring_keys.shape[:2] or key_states.shape[-1] != self.ring_keys.shape[-1]:
@@ -448,6 +454,9 @@ class StaticTurboQuantCache(CodedCache):
         layers = [StaticTurboQuantLayer(key_codec, value_codec, max_cache_len, window, sinks, pool) if kind == "full_attention"
                   else STATIC_LAYER_TYPE_MAPPING[kind](max_cache_len=max_cache_len, **kw)
                   for kind, kw in zip(layer_types, layer_kwargs)]
+        coded = [layer for layer in layers if isinstance(layer, StaticTurboQuantLayer)]
+        if coded:
+            coded[0].opens_step = True
         super().__init__(layers=layers)
         self.key_codec, self.value_codec = _shared(key_codec), _shared(value_codec)
 

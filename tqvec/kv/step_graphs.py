@@ -38,18 +38,27 @@ import torch
 ENABLED = True
 
 
+@dataclass
+class _Rows:
+    """One device's validity rows: the buffer step graphs read, the token naming it, and the mask last copied into it
+    with that mask's version counter then (None: none, or an inference tensor, which keeps no version)."""
+
+    buffer: torch.Tensor
+    token: object
+    mask: torch.Tensor | None = None
+    version: int | None = None
+
+
 class GraphPool:
-    """What the step graphs of one cache's layers share: one CUDA graph memory pool and one recording stream, made at
-    first use (the caching allocator reuses a freed block only on the stream that allocated it: one stream lets the
-    graphs' temporaries share memory), and the step's validity rows (:meth:`validity`). A copy is a new, unused pool."""
+    """What the step graphs of one cache's layers share: one CUDA graph memory pool and one recording stream per device,
+    made at first use (the caching allocator reuses a freed block only on the stream that allocated it: one stream lets
+    the graphs' temporaries share memory), and the step's validity rows per device (:meth:`validity`). A copy is a new,
+    unused pool."""
 
     def __init__(self) -> None:
         self._handle = None
-        self._stream: torch.cuda.Stream | None = None
-        self._mask: tuple[torch.Tensor, int | None] | None = None  # the last mask given and its version then
-        self._rows: torch.Tensor | None = None
-        #: names the buffer :meth:`validity` returns (a new object whenever it is another buffer)
-        self.validity_token = object()
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._rows: dict[torch.device, _Rows] = {}
 
     @property
     def handle(self):
@@ -59,37 +68,46 @@ class GraphPool:
         return self._handle
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
-        """The stream graphs are recorded on (made on ``device`` at first use)."""
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=device)
-        return self._stream
+        """The stream graphs on ``device`` are recorded on (made at first use)."""
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)
+        return self._streams[device]
 
-    def validity(self, mask: torch.Tensor, batch: int) -> torch.Tensor:
+    def validity(self, mask: torch.Tensor, batch: int) -> tuple[torch.Tensor, object]:
         """The validity rows ``(batch, kv_length)`` of a one-token step's boolean ``mask`` ``(b, 1, 1, kv_length)``, in
-        the buffer the cache's step graphs read: copied there unless ``mask`` is the last tensor given, unchanged since
-        (transformers makes one mask per forward, for every layer; a mask written in place counts as changed, and so
-        does every inference tensor, which keeps no version), made anew (with a new :attr:`validity_token`) when its
-        shape, dtype or device changes.
+        the buffer the cache's step graphs on ``mask``'s device read, and the token naming that buffer (for the graphs'
+        keys). The rows are copied there unless ``mask`` is the last tensor given on that device, unchanged since:
+        transformers makes one mask per forward for every layer (moved once per device where the model spans several).
+        A mask written in place counts as changed, and so does every inference tensor (it keeps no version), and so
+        does any mask after :meth:`forget_masks`. The buffer is made anew, with a new token, when the rows' shape or
+        dtype changes.
 
         Examples
         --------
         >>> pool = GraphPool()
         >>> mask = torch.ones(2, 1, 1, 8, dtype=torch.bool)
-        >>> rows = pool.validity(mask, 2)
+        >>> rows, token = pool.validity(mask, 2)
         >>> mask[1, ..., :3] = False  # in place: copied again, into the same buffer
-        >>> pool.validity(mask, 2) is rows, rows[1].sum().item()
+        >>> pool.validity(mask, 2)[0] is rows, rows[1].sum().item()
         (True, 5)
         """
         version = None if mask.is_inference() else mask._version
-        if self._mask is None or mask is not self._mask[0] or version is None or version != self._mask[1]:
-            rows = mask[:, 0, 0, :].expand(batch, -1)
-            held = self._rows
-            if held is None or (held.shape, held.dtype, held.device) != (rows.shape, rows.dtype, rows.device):
-                self._rows, self.validity_token = rows.clone(memory_format=torch.contiguous_format), object()
-            else:
-                held.copy_(rows)
-            self._mask = (mask, version)
-        return self._rows
+        held = self._rows.get(mask.device)
+        if held is not None and held.mask is mask and version is not None and version == held.version:
+            return held.buffer, held.token
+        rows = mask[:, 0, 0, :].expand(batch, -1)
+        if held is None or (held.buffer.shape, held.buffer.dtype) != (rows.shape, rows.dtype):
+            held = self._rows[mask.device] = _Rows(rows.clone(memory_format=torch.contiguous_format), object())
+        else:
+            held.buffer.copy_(rows)
+        held.mask, held.version = mask, version
+        return held.buffer, held.token
+
+    def forget_masks(self) -> None:
+        """Copy the next mask :meth:`validity` is given on each device even if it is the last one (a cache calls this
+        at each forward's first layer, so no write to a mask between forwards goes unseen)."""
+        for held in self._rows.values():
+            held.mask = held.version = None
 
     def __reduce__(self):
         return GraphPool, ()
