@@ -10,7 +10,8 @@ static addresses, and whatever a step caches is made when they are allocated (:f
 Run eagerly on CUDA, a layer's one-token update leaves its write to the step's attention, which records both in one
 CUDA graph of the layer's own and replays it (:mod:`tqvec.kv.step_graphs`), so an eager decode loop pays tens of
 microseconds of host time per layer for them; whatever reads or edits the layer before that attention (its length, its
-tokens, a copy, a crop) writes the token first (:meth:`StaticTurboQuantLayer.flush`).
+tokens, a copy, a crop) writes the token first (:meth:`StaticTurboQuantLayer.flush`). Code that reads the buffers or
+``lengths`` directly between an update and its attention calls ``flush()`` first.
 
 Per full-attention layer (:class:`StaticTurboQuantLayer`), cache positions are split three ways:
 
