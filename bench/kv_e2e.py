@@ -18,7 +18,8 @@ DynamicCache runs with transformers' ``sdpa`` attention, TurboQuantCache (``--bi
   TurboQuantCache, and at integer ``--bits`` StaticTurboQuantCache with eager steps, which replay its step graphs
   (:mod:`tqvec.kv.step_graphs`), and with those graphs off. Ratios are medians over rounds of same-round ratios.
   Targets: ≥ 1.0× the reference at 32k, ≥ 1.3× at 128k, checked for TurboQuantCache and for StaticTurboQuantCache's
-  eager steps.
+  eager steps. Beside them runs the bound (:mod:`.kv_bound`): the model with no cache and no attention, whose ratio is
+  the most any cache and attention could reach over the reference in this process.
 * ``budget``: the longest batch-1 prompt whose ``generate()`` completes within ``--budget-gib`` beyond what is
   allocated before it (the weights), enforced by ``torch.cuda.set_per_process_memory_fraction`` (the allocator
   raises ``OutOfMemoryError`` past it). Peak is fitted as a + b·length from runs at 4 and 8 ``--length-step``, the
@@ -63,6 +64,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from tqvec.kv import StaticTurboQuantCache, TurboQuantCache, step_graphs
 
+from . import kv_bound
 from .kv_cpu import cache_nbytes
 from .kv_gpu import E2E_WARMUP, HKV, HQ, RESULTS, D
 from .kv_step import greedy_token
@@ -74,6 +76,9 @@ PEAK_SAVING = 0.6
 STATIC_LABEL = "StaticTurboQuantCache"
 #: the variant of StaticTurboQuantCache's decode row that the checks report (its eager steps replay step graphs)
 STATIC_VARIANT = "tqvec attention, eager steps"
+#: the decode part's bound (:mod:`.kv_bound`): its cache label and variant
+BOUND_LABEL = "no cache (bound)"
+BOUND_VARIANT = "no attention"
 #: decode speed targets, TurboQuantCache / the faster DynamicCache, by context (other contexts have none)
 DECODE_TARGETS = {32768: 1.0, 131072: 1.3}
 #: steps each variant runs per round of the decode part (the variants take turns within a round): TurboQuantCache's
@@ -379,7 +384,7 @@ def decode_variants(bench: Bench, context: int, bits: float, rounds: int, steps:
     """The decode part's variants at ``context``: DynamicCache with the default SDPA backend choice and (on CUDA) with
     cuDNN's off, TurboQuantCache, and for integer ``bits`` StaticTurboQuantCache (its steps eager, as
     ``generate(disable_compile=True)`` runs them; on CUDA also with its step graphs off), sized for every step that
-    :func:`interleaved_decode` runs on it."""
+    :func:`interleaved_decode` runs on it, and last the bound: no cache and no attention (:mod:`.kv_bound`)."""
     dynamic, turbo = bench.kinds
     cuda = bench.model.device.type == "cuda"
     out = [DecodeVariant(dynamic, "default SDPA backend")]
@@ -394,6 +399,10 @@ def decode_variants(bench: Bench, context: int, bits: float, rounds: int, steps:
         out.append(DecodeVariant(static, STATIC_VARIANT))
         if cuda:  # the same steps launched without the graphs (the CPU has none)
             out.append(DecodeVariant(static, STATIC_VARIANT + ", step graphs off", graphs=False))
+    kv_bound.register()
+    layers = bench.model.config.num_hidden_layers
+    out.append(DecodeVariant(Kind(BOUND_LABEL, kv_bound.NO_ATTENTION, functools.partial(kv_bound.bound_cache, layers)),
+                             BOUND_VARIANT))
     return out
 
 
@@ -535,6 +544,10 @@ def _round_range(row: dict) -> str:
     return f"{min(rounds):.2f} – {max(rounds):.2f}" if rounds else "—"
 
 
+def _ratio(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}×"
+
+
 def _target(x: float | None) -> str:
     return "—" if x is None else f"≥ {x:g}×"
 
@@ -577,7 +590,8 @@ def paired_ratio(reference: dict, row: dict) -> float:
 def decode_checks(section: dict, dynamic: str, turbo: str) -> list[dict]:
     """Per context: the faster DynamicCache variant (by median round) and its tokens/s, TurboQuantCache's, their
     :func:`paired_ratio`, target and verdict, and StaticTurboQuantCache's tokens/s, ratio and verdict against the same
-    target (its eager steps with step graphs, where it was run; None otherwise)."""
+    target (its eager steps with step graphs, where it was run; None otherwise), and the bound's ratio (None where it was
+    not run)."""
     out = []
     by_context: dict[int, list[dict]] = {}
     for r in section.get("rows", []):
@@ -592,11 +606,13 @@ def decode_checks(section: dict, dynamic: str, turbo: str) -> list[dict]:
         target = DECODE_TARGETS.get(context)
         static = next((r for r in rows if r["cache"].startswith(STATIC_LABEL) and r["variant"] == STATIC_VARIANT), None)
         static_ratio = None if static is None else paired_ratio(ref, static)
+        bound = next((r for r in rows if r["cache"] == BOUND_LABEL), None)
         out.append({"context": context, "reference": ref["variant"], "reference_tokens_per_s": ref["tokens_per_s"],
                     "turbo_tokens_per_s": tq["tokens_per_s"], "ratio": ratio, "target": target,
                     "pass": None if target is None else ratio >= target,
                     "static_tokens_per_s": None if static is None else static["tokens_per_s"], "static_ratio": static_ratio,
-                    "static_pass": None if target is None or static_ratio is None else static_ratio >= target})
+                    "static_pass": None if target is None or static_ratio is None else static_ratio >= target,
+                    "bound_ratio": None if bound is None else paired_ratio(ref, bound)})
     return out
 
 
@@ -706,18 +722,21 @@ def markdown(data: dict) -> str:
                 "variant's median round, and a ratio the median over rounds of the reference's ms/step over the "
                 "variant's in the same round. Targets: "
                 + ", ".join(f"≥ {v:g}× at {k}" for k, v in DECODE_TARGETS.items())
-                + " (TurboQuantCache, and StaticTurboQuantCache's eager steps, / the faster DynamicCache).", "",
+                + " (TurboQuantCache, and StaticTurboQuantCache's eager steps, / the faster DynamicCache). The bound row "
+                "runs the model with no cache and no attention (`bench/kv_bound.py`): its ratio is the most any cache "
+                "and attention could reach here.", "",
                 "| cache | variant | context | tokens/s | ms/step (median round) | rounds: fastest – slowest ms | cache GiB |",
                 "|---|---|---|---|---|---|---|"]
         out += [f"| {r['cache']} | {r['variant']} | {r['context']} | skipped ({r['skipped']}) |  |  |  |" if "skipped" in r else
                 f"| {r['cache']} | {r['variant']} | {r['context']} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | "
                 f"{_round_range(r)} | {_gib(r['cache_bytes'])} |" for r in s["rows"]]
         out += ["", "| context | reference (DynamicCache) | its tokens/s | TurboQuantCache tokens/s | ratio | target | pass | "
-                "StaticTurboQuantCache (eager) tokens/s | its ratio | its pass |", "|---|---|---|---|---|---|---|---|---|---|"]
+                "StaticTurboQuantCache (eager) tokens/s | its ratio | its pass | bound's ratio |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
         out += [f"| {c['context']} | {c['reference']} | {c['reference_tokens_per_s']:.1f} | {c['turbo_tokens_per_s']:.1f} | "
                 f"{c['ratio']:.2f}× | {_target(c['target'])} | {_verdict(c['pass'])} | {_num(c.get('static_tokens_per_s'))} | "
-                f"{'—' if c.get('static_ratio') is None else format(c['static_ratio'], '.2f') + '×'} | "
-                f"{_verdict(c.get('static_pass'))} |" for c in s.get("checks", [])]
+                f"{_ratio(c.get('static_ratio'))} | "
+                f"{_verdict(c.get('static_pass'))} | {_ratio(c.get('bound_ratio'))} |" for c in s.get("checks", [])]
         out.append("")
     for name, title, unit, scale in (("budget", "Longest prompt in the budget, batch 1", "KiB/token", 2 ** 10),
                                      ("batch", "Largest batch in the budget", "GiB/row", GIB)):

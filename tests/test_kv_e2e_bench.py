@@ -34,9 +34,9 @@ def test_tiny_cpu_run_writes_reports_and_keeps_parts(tmp_path: Path) -> None:
     (check,) = peak["checks"]
     assert check["context"] == 512 and check["pass"] is None  # no memory figures on the CPU
     (speed,) = parts["decode"]["checks"]
-    assert speed["ratio"] > 0 and speed["target"] is None and speed["static_ratio"] > 0
+    assert speed["ratio"] > 0 and speed["target"] is None and speed["static_ratio"] > 0 and speed["bound_ratio"] > 0
     assert [r["cache"] for r in parts["decode"]["rows"]] == ["DynamicCache + sdpa", "TurboQuantCache 4b + tqvec",
-                                                             "StaticTurboQuantCache 4b + tqvec"]
+                                                             "StaticTurboQuantCache 4b + tqvec", kv_e2e.BOUND_LABEL]
     assert all(r["timed_steps"] == kv_e2e.DECODE_ROUND_STEPS and len(r["round_ms"]) == 1  # 22 tokens: one whole round
                and r["ms_per_step"] == r["round_ms"][0] for r in parts["decode"]["rows"])
     assert "needs CUDA" in parts["budget"]["skipped"] and "needs CUDA" in parts["batch"]["skipped"]
@@ -56,6 +56,7 @@ def test_decode_ratios_pair_the_rounds() -> None:
             {"cache": "tq", "variant": "b", "context": 32768, "round_ms": [12.0, 12.0, 33.0], "tokens_per_s": 1000 / 12}]
     (check,) = kv_e2e.decode_checks({"rows": rows}, "dyn", "tq")
     assert check["ratio"] == pytest.approx(30 / 33) and check["pass"] is False and check["static_ratio"] is None
+    assert check["bound_ratio"] is None
 
 
 def test_decode_variants_size_the_shared_static_cache_for_every_step() -> None:
@@ -67,7 +68,8 @@ def test_decode_variants_size_the_shared_static_cache_for_every_step() -> None:
     bench = kv_e2e.Bench(model=model, kinds=kinds, new_tokens=64, chunk=0, deadline=kv_e2e.Deadline(1e9), save=lambda: None)
     variants = kv_e2e.decode_variants(bench, 1000, 4, rounds=4, steps=16)
     assert [v.label for v in variants] == ["default SDPA backend", "cuDNN SDPA off", "tqvec attention",
-                                           kv_e2e.STATIC_VARIANT, kv_e2e.STATIC_VARIANT + ", step graphs off"]
+                                           kv_e2e.STATIC_VARIANT, kv_e2e.STATIC_VARIANT + ", step graphs off",
+                                           kv_e2e.BOUND_VARIANT]
     static = [v for v in variants if v.kind.name.startswith(kv_e2e.STATIC_LABEL)]
     assert len({v.kind for v in static}) == 1 and [v.graphs for v in static] == [True, False]
     max_len = static[0].kind.make.args[1]
