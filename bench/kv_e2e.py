@@ -18,7 +18,7 @@ DynamicCache runs with transformers' ``sdpa`` attention, TurboQuantCache (``--bi
   TurboQuantCache, and at integer ``--bits`` StaticTurboQuantCache with eager steps, which replay its step graphs
   (:mod:`tqvec.kv.step_graphs`), and with those graphs off. Ratios are medians over rounds of same-round ratios.
   Targets: ≥ 1.0× the reference at 32k, ≥ 1.3× at 128k, checked for TurboQuantCache and for StaticTurboQuantCache's
-  eager steps. Beside them runs the bound (:mod:`.kv_bound`): the model with no cache and no attention, whose ratio is
+  eager steps. Beside them runs the bound (:mod:`._kv_bound`): the model with no cache and no attention, whose ratio is
   the most any cache and attention could reach over the reference in this process.
 * ``budget``: the longest batch-1 prompt whose ``generate()`` completes within ``--budget-gib`` beyond what is
   allocated before it (the weights), enforced by ``torch.cuda.set_per_process_memory_fraction`` (the allocator
@@ -64,7 +64,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from tqvec.kv import StaticTurboQuantCache, TurboQuantCache, step_graphs
 
-from . import kv_bound
+from . import _kv_bound as kv_bound
 from .kv_cpu import cache_nbytes
 from .kv_gpu import E2E_WARMUP, HKV, HQ, RESULTS, D
 from .kv_step import greedy_token
@@ -76,7 +76,7 @@ PEAK_SAVING = 0.6
 STATIC_LABEL = "StaticTurboQuantCache"
 #: the variant of StaticTurboQuantCache's decode row that the checks report (its eager steps replay step graphs)
 STATIC_VARIANT = "tqvec attention, eager steps"
-#: the decode part's bound (:mod:`.kv_bound`): its cache label and variant
+#: the decode part's bound (:mod:`._kv_bound`): its cache label and variant
 BOUND_LABEL = "no cache (bound)"
 BOUND_VARIANT = "no attention"
 #: decode speed targets, TurboQuantCache / the faster DynamicCache, by context (other contexts have none)
@@ -384,7 +384,7 @@ def decode_variants(bench: Bench, context: int, bits: float, rounds: int, steps:
     """The decode part's variants at ``context``: DynamicCache with the default SDPA backend choice and (on CUDA) with
     cuDNN's off, TurboQuantCache, and for integer ``bits`` StaticTurboQuantCache (its steps eager, as
     ``generate(disable_compile=True)`` runs them; on CUDA also with its step graphs off), sized for every step that
-    :func:`interleaved_decode` runs on it, and last the bound: no cache and no attention (:mod:`.kv_bound`)."""
+    :func:`interleaved_decode` runs on it, and last the bound: no cache and no attention (:mod:`._kv_bound`)."""
     dynamic, turbo = bench.kinds
     cuda = bench.model.device.type == "cuda"
     out = [DecodeVariant(dynamic, "default SDPA backend")]
@@ -723,7 +723,7 @@ def markdown(data: dict) -> str:
                 "variant's in the same round. Targets: "
                 + ", ".join(f"≥ {v:g}× at {k}" for k, v in DECODE_TARGETS.items())
                 + " (TurboQuantCache, and StaticTurboQuantCache's eager steps, / the faster DynamicCache). The bound row "
-                "runs the model with no cache and no attention (`bench/kv_bound.py`): its ratio is the most any cache "
+                "runs the model with no cache and no attention (`bench/_kv_bound.py`): its ratio is the most any cache "
                 "and attention could reach here.", "",
                 "| cache | variant | context | tokens/s | ms/step (median round) | rounds: fastest – slowest ms | cache GiB |",
                 "|---|---|---|---|---|---|---|"]

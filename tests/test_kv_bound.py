@@ -1,4 +1,4 @@
-"""``bench.kv_bound``: the decode bound's cache stores nothing but keeps the positions right, and its attention mixes
+"""``bench._kv_bound``: the decode bound's cache stores nothing but keeps the positions right, and its attention mixes
 no tokens, so a step's logits are those of the same position in one forward over the whole sequence."""
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tqvec.bench import kv_bound, kv_e2e  # noqa: E402
+from tqvec.bench import _kv_bound as kv_bound  # noqa: E402
+from tqvec.bench import kv_e2e  # noqa: E402
 from tqvec.bench.kv_cpu import cache_nbytes  # noqa: E402
 
 
