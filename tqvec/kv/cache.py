@@ -314,6 +314,11 @@ class TurboQuantCache(CodedCache):
     ValueError
         An argument out of range or an unknown choice (named).
 
+    See Also
+    --------
+    tqvec.kv.StaticTurboQuantCache : preallocated buffers for a fixed maximum length (integer bits, ``mse`` keys),
+        whose decode steps replay CUDA graphs: the faster choice on a GPU (docs/kv.md).
+
     Examples
     --------
     >>> cache = TurboQuantCache(model.config, key_bits=3.5, value_bits=3.5)  # doctest: +SKIP
