@@ -4,12 +4,16 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
 
 #include "parallel.h"
 
 namespace tqvec {
-namespace {
 
 // Decodes a packed row into the levels of its channels (channels no step covers stay 0). A byte read only by
 // steps that stay inside it and cover consecutive channels in bit order (4-, 2- and 1-bit codes) is decoded by one
@@ -67,6 +71,14 @@ class RowDecoder {
     if (packed) packed_width_ = width;
     take_three_bit_runs();
   }
+
+  // Channels per byte (2, 4 or 8) where every byte of a `dim`-channel row is one look-up of that many levels in one
+  // table, in channel order, covering exactly the row's channels; else 0.
+  int uniform_channels(int64_t dim) const {
+    return uniform_count_ && static_cast<int64_t>(bytes_.size()) * uniform_count_ == dim ? uniform_count_ : 0;
+  }
+  // That table: uniform_channels() levels per byte value.
+  const float* uniform_table() const { return tables_[0].data(); }
 
   void decode(const uint8_t* row, float* out) const {
     switch (uniform_count_) {
@@ -228,6 +240,10 @@ class RowDecoder {
   std::vector<std::vector<float>> pairs_;  // per run codebook: the levels of 6-bit code pairs (low code first)
 };
 
+std::shared_ptr<const RowDecoder> row_decoder(const Plan& plan) { return std::make_shared<const RowDecoder>(plan); }
+
+namespace {
+
 // <a, b> over n floats in 8 independent partial sums (a reduction the compiler can vectorize, 8 lanes wide in
 // one_head_avx2).
 __attribute__((always_inline)) inline float dot(const float* a, const float* b, int64_t n) {
@@ -243,13 +259,13 @@ __attribute__((always_inline)) inline float dot(const float* a, const float* b, 
 // Decodes token r of `head` from every segment into `row` (each at its first channel) and returns the scale its
 // levels still need: the one segment's, or 1 when there are `several` (each segment's levels already carry theirs).
 __attribute__((always_inline)) inline float decode_token(const std::vector<CodedTokens>& segments,
-                                                         const std::vector<RowDecoder>& decoders, int64_t head, int64_t r,
-                                                         bool several, float* row) {
+                                                         const std::vector<const RowDecoder*>& decoders, int64_t head,
+                                                         int64_t r, bool several, float* row) {
   float scale = 1.0f;
   for (size_t s = 0; s < segments.size(); ++s) {
     const CodedTokens& seg = segments[s];
     float* out = row + seg.first;
-    decoders[s].decode(seg.packed + head * seg.head_stride + r * seg.row_bytes, out);
+    decoders[s]->decode(seg.packed + head * seg.head_stride + r * seg.row_bytes, out);
     scale = seg.scale[head * seg.scale_stride + r];
     if (several)
       for (int64_t c = 0; c < seg.dim; ++c) out[c] *= scale;
@@ -258,8 +274,8 @@ __attribute__((always_inline)) inline float decode_token(const std::vector<Coded
 }
 
 // One head's online-softmax state; always inlined, so one_head and one_head_avx2 compile it for their own ISA.
-__attribute__((always_inline)) inline void one_head_with(const DecodeArgs& a, const std::vector<RowDecoder>& keys,
-                                                          const std::vector<RowDecoder>& values, int64_t head) {
+__attribute__((always_inline)) inline void one_head_with(const DecodeArgs& a, const std::vector<const RowDecoder*>& keys,
+                                                          const std::vector<const RowDecoder*>& values, int64_t head) {
   const int64_t G = a.group, n = a.n, kd = a.key_dim, vd = a.value_dim;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   std::vector<float> row(static_cast<size_t>(std::max(kd, vd)), 0.0f), logits(static_cast<size_t>(G * n), 0.0f);
@@ -304,25 +320,157 @@ __attribute__((always_inline)) inline void one_head_with(const DecodeArgs& a, co
   }
 }
 
-void one_head(const DecodeArgs& a, const std::vector<RowDecoder>& keys, const std::vector<RowDecoder>& values,
-              int64_t head) {
+void one_head(const DecodeArgs& a, const std::vector<const RowDecoder*>& keys,
+              const std::vector<const RowDecoder*>& values, int64_t head) {
   one_head_with(a, keys, values, head);
 }
 
 #if defined(__x86_64__) || defined(_M_X64)
 // one_head with 8-lane FMA products and sums (AVX2 + FMA).
-__attribute__((target("avx2,fma"))) void one_head_avx2(const DecodeArgs& a, const std::vector<RowDecoder>& keys,
-                                                       const std::vector<RowDecoder>& values, int64_t head) {
+__attribute__((target("avx2,fma"))) void one_head_avx2(const DecodeArgs& a, const std::vector<const RowDecoder*>& keys,
+                                                       const std::vector<const RowDecoder*>& values, int64_t head) {
   one_head_with(a, keys, values, head);
+}
+
+// Levels of channels [8 * j, 8 * j + 8) of a row whose bytes each hold `count` channels in order (a uniform
+// decoder), gathered from its table straight into a register: no decoded row is stored and read back (a wide read of
+// several narrow stores waits for them to retire).
+template <int count>
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 levels8(const float* table, const uint8_t* row, int64_t j) {
+  if constexpr (count == 8) {
+    return _mm256_loadu_ps(table + 8 * static_cast<size_t>(row[j]));
+  } else if constexpr (count == 4) {
+    const __m128 low = _mm_loadu_ps(table + 4 * static_cast<size_t>(row[2 * j]));
+    const __m128 high = _mm_loadu_ps(table + 4 * static_cast<size_t>(row[2 * j + 1]));
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(low), high, 1);
+  } else {
+    static_assert(count == 2, "uniform decoders hold 2, 4 or 8 channels per byte");
+    const uint8_t* b = row + 4 * j;
+    auto pair = [&](int i) { return reinterpret_cast<const double*>(table + 2 * static_cast<size_t>(b[i])); };
+    const __m128d low = _mm_loadh_pd(_mm_load_sd(pair(0)), pair(1));
+    const __m128d high = _mm_loadh_pd(_mm_load_sd(pair(2)), pair(3));
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_castpd_ps(low)), _mm_castpd_ps(high), 1);
+  }
+}
+
+__attribute__((target("avx2,fma"), always_inline)) inline float sum8(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Most vectors of 8 channels per row that one_head_uniform_avx2 holds.
+constexpr int64_t kMaxRowVectors = 64;
+
+// one_head_avx2 for one key and one value segment whose decoders are uniform (kc and vc channels per byte; rows of
+// a multiple of 8 channels, at most 8 * kMaxRowVectors): each token's levels are gathered into registers and meet the
+// G queries (keys) or weights (values) there.
+template <int kc, int vc>
+__attribute__((target("avx2,fma"))) void one_head_uniform_avx2(const DecodeArgs& a, const RowDecoder& key_decoder,
+                                                               const RowDecoder& value_decoder, int64_t head) {
+  const int64_t G = a.group, n = a.n, kd = a.key_dim, vd = a.value_dim;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const CodedTokens &ks = a.keys[0], &vs = a.values[0];
+  const int64_t key_vectors = ks.dim / 8, value_vectors = vs.dim / 8;
+  const float *key_table = key_decoder.uniform_table(), *value_table = value_decoder.uniform_table();
+  const uint8_t *key_rows = ks.packed + head * ks.head_stride, *value_rows = vs.packed + head * vs.head_stride;
+  const float *key_scale = ks.scale + head * ks.scale_stride, *value_scale = vs.scale + head * vs.scale_stride;
+  const float* q = a.queries + head * G * kd + ks.first;
+  const uint8_t* valid = a.valid ? a.valid + (head / a.heads_per_batch) * n : nullptr;
+  std::vector<float> logits(static_cast<size_t>(G * n), 0.0f);
+  __m256 levels[kMaxRowVectors];
+  for (int64_t r = 0; r < n; ++r) {
+    if (valid && !valid[r]) continue;
+    const uint8_t* row = key_rows + r * ks.row_bytes;
+    for (int64_t j = 0; j < key_vectors; ++j) levels[j] = levels8<kc>(key_table, row, j);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * kd;
+      __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+      int64_t j = 0;
+      for (; j + 2 <= key_vectors; j += 2) {
+        even = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j), levels[j], even);
+        odd = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j + 8), levels[j + 1], odd);
+      }
+      if (j < key_vectors) even = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j), levels[j], even);
+      logits[g * n + r] = key_scale[r] * sum8(_mm256_add_ps(even, odd));
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* lg = logits.data() + g * n;
+    if (valid)
+      for (int64_t r = 0; r < n; ++r)
+        if (!valid[r]) lg[r] = kNegInf;
+    const float m = n ? *std::max_element(lg, lg + n) : kNegInf;
+    float total = 0.0f;
+    if (m != kNegInf) {
+      for (int64_t r = 0; r < n; ++r) total += (lg[r] = std::exp(lg[r] - m));
+    } else {
+      std::fill(lg, lg + n, 0.0f);
+    }
+    a.max[head * G + g] = m;
+    a.sum[head * G + g] = total;
+    std::fill(a.acc + (head * G + g) * vd, a.acc + (head * G + g + 1) * vd, 0.0f);
+  }
+  for (int64_t r = 0; r < n; ++r) {
+    if (valid && !valid[r]) continue;
+    const uint8_t* row = value_rows + r * vs.row_bytes;
+    for (int64_t j = 0; j < value_vectors; ++j) levels[j] = levels8<vc>(value_table, row, j);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m256 w = _mm256_set1_ps(logits[g * n + r] * value_scale[r]);
+      float* acc = a.acc + (head * G + g) * vd + vs.first;
+      for (int64_t j = 0; j < value_vectors; ++j)
+        _mm256_storeu_ps(acc + 8 * j, _mm256_fmadd_ps(w, levels[j], _mm256_loadu_ps(acc + 8 * j)));
+    }
+  }
+}
+
+// one_head_uniform_avx2 for these segments' decoders, or null where it does not serve them.
+using HeadFunction = void (*)(const DecodeArgs&, const RowDecoder&, const RowDecoder&, int64_t);
+HeadFunction uniform_head(const DecodeArgs& a, const RowDecoder* key_decoder, const RowDecoder* value_decoder) {
+  if (a.keys.size() != 1 || a.values.size() != 1 || !has_avx2()) return nullptr;
+  const int64_t kdim = a.keys[0].dim, vdim = a.values[0].dim;
+  if (kdim % 8 || vdim % 8 || kdim > 8 * kMaxRowVectors || vdim > 8 * kMaxRowVectors) return nullptr;
+  const int kc = key_decoder->uniform_channels(kdim), vc = value_decoder->uniform_channels(vdim);
+  auto pick = [&](auto key_count) -> HeadFunction {
+    constexpr int k = decltype(key_count)::value;
+    switch (vc) {
+      case 2: return one_head_uniform_avx2<k, 2>;
+      case 4: return one_head_uniform_avx2<k, 4>;
+      case 8: return one_head_uniform_avx2<k, 8>;
+      default: return nullptr;
+    }
+  };
+  switch (kc) {
+    case 2: return pick(std::integral_constant<int, 2>{});
+    case 4: return pick(std::integral_constant<int, 4>{});
+    case 8: return pick(std::integral_constant<int, 8>{});
+    default: return nullptr;
+  }
 }
 #endif
 
 }  // namespace
 
 void decode_attention(const DecodeArgs& a) {
-  std::vector<RowDecoder> keys, values;
-  for (const CodedTokens& seg : a.keys) keys.emplace_back(seg.plan);
-  for (const CodedTokens& seg : a.values) values.emplace_back(seg.plan);
+  std::vector<RowDecoder> built;  // for segments given no decoder (reserved: the pointers below stay valid)
+  built.reserve(a.keys.size() + a.values.size());
+  auto decoders = [&](const std::vector<CodedTokens>& segments) {
+    std::vector<const RowDecoder*> out;
+    for (const CodedTokens& seg : segments) {
+      if (!seg.decoder) built.emplace_back(seg.plan);
+      out.push_back(seg.decoder ? seg.decoder : &built.back());
+    }
+    return out;
+  };
+  const std::vector<const RowDecoder*> keys = decoders(a.keys), values = decoders(a.values);
+#if defined(__x86_64__) || defined(_M_X64)
+  if (const HeadFunction uniform = uniform_head(a, keys[0], values[0])) {
+    parallel_for(static_cast<size_t>(a.heads), a.threads, [&](size_t begin, size_t end) {
+      for (size_t h = begin; h < end; ++h) uniform(a, *keys[0], *values[0], static_cast<int64_t>(h));
+    });
+    return;
+  }
+#endif
   auto head = one_head;
 #if defined(__x86_64__) || defined(_M_X64)
   if (has_avx2()) head = one_head_avx2;

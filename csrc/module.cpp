@@ -71,6 +71,7 @@ class PlanHandle {
     offset_.assign(offset.data(), offset.data() + steps + 1);
     level_.assign(level.data(), level.data() + level.size());
     steps_ = tqvec::plan_steps(view());
+    decoder_ = tqvec::row_decoder(view());
     std::vector<int> covered(static_cast<size_t>(last_channel_ + 1), 0);
     single_channel_ = last_channel_ >= 0;
     for (size_t t = 0; t < steps; ++t) {
@@ -81,11 +82,15 @@ class PlanHandle {
     single_channel_ = single_channel_ && std::all_of(covered.begin(), covered.end(), [](int n) { return n == 1; });
   }
 
+  PlanHandle(const PlanHandle&) = delete;  // its steps and decoder point into its own arrays
+  PlanHandle& operator=(const PlanHandle&) = delete;
+
   tqvec::Plan view() const {
     return {static_cast<int>(byte_.size()), byte_.data(), shift_.data(), width_.data(), channel_.data(), offset_.data(),
             level_.data()};
   }
   const tqvec::PlanSteps* steps() const { return steps_.get(); }
+  const tqvec::RowDecoder* decoder() const { return decoder_.get(); }
   int32_t last_byte() const { return last_byte_; }
   int32_t last_channel() const { return last_channel_; }
   // True when every channel 0 .. last_channel is read by exactly one step, of its own, of 3 to 8 bits.
@@ -95,6 +100,7 @@ class PlanHandle {
   std::vector<int32_t> byte_, shift_, width_, channel_, offset_;
   std::vector<float> level_;
   std::shared_ptr<const tqvec::PlanSteps> steps_;
+  std::shared_ptr<const tqvec::RowDecoder> decoder_;  // points into level_ (never changed after construction)
   int32_t last_byte_ = -1, last_channel_ = -1;
   bool single_channel_ = false;
 };
@@ -455,7 +461,7 @@ std::vector<tqvec::CodedTokens> coded_segments(const nb::list& segments, int64_t
     require(dim > plan.last_channel() && first + dim <= channels, "fewer channels than the plans read");
     out.push_back({plan.view(), codes.data(), static_cast<int64_t>(codes.shape(2)),
                    static_cast<int64_t>(codes.shape(1) * codes.shape(2)), scale.data(), static_cast<int64_t>(scale.shape(1)),
-                   first, dim});
+                   first, dim, plan.decoder()});
     first += dim;
   }
   require(!out.empty(), "no coded segments");

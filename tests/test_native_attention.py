@@ -18,12 +18,13 @@ pytestmark = pytest.mark.skipif(not _fastscan.available(), reason="the native ex
 HEAD_DIM, KV_HEADS, QUERY_HEADS = 64, 2, 6
 
 
-def _step(bits: float, batch: int, context: int, window: int, seed: int) -> scan.DecodeAttention:
+def _step(bits: float, batch: int, context: int, window: int, seed: int,
+          value_bits: float | None = None) -> scan.DecodeAttention:
     gen = torch.Generator().manual_seed(seed)
     keys = torch.randn(batch, KV_HEADS, context, HEAD_DIM, generator=gen) + 0.5
     values = torch.randn(batch, KV_HEADS, context, HEAD_DIM, generator=gen)
     query = torch.randn(batch, QUERY_HEADS, 1, HEAD_DIM, generator=gen)
-    layer = TurboQuantLayer(HeadCodec(HEAD_DIM, bits), HeadCodec(HEAD_DIM, bits, seed=1000), window)
+    layer = TurboQuantLayer(HeadCodec(HEAD_DIM, bits), HeadCodec(HEAD_DIM, value_bits or bits, seed=1000), window)
     layer.update(keys[:, :, :-1], values[:, :, :-1])
     handle, _ = layer.update(keys[:, :, -1:], values[:, :, -1:])
     step = decode_step(handle, query, None, HEAD_DIM ** -0.5)
@@ -47,6 +48,15 @@ def _both(step: scan.DecodeAttention) -> tuple[torch.Tensor, torch.Tensor]:
 def test_native_decode_attention_equals_torch(bits: float) -> None:
     reference, native = _both(_step(bits, batch=2, context=300, window=16, seed=int(bits * 10)))
     assert native.shape == reference.shape == (2, KV_HEADS, QUERY_HEADS // KV_HEADS, HEAD_DIM)
+    assert torch.allclose(native, reference, rtol=0, atol=1e-4 * reference.abs().max().item())
+
+
+@pytest.mark.parametrize("key_bits,value_bits", [(4, 1), (1, 2), (2, 4), (4, 3)])
+def test_native_decode_attention_mixes_key_and_value_widths(key_bits: int, value_bits: int) -> None:
+    """Keys and values of different widths (each byte one look-up of 2, 4 or 8 levels, or 3-bit codes across bytes)
+    agree with the torch path."""
+    reference, native = _both(_step(key_bits, batch=2, context=300, window=16, seed=key_bits * 10 + value_bits,
+                                    value_bits=value_bits))
     assert torch.allclose(native, reference, rtol=0, atol=1e-4 * reference.abs().max().item())
 
 
