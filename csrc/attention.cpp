@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -72,13 +71,23 @@ class RowDecoder {
     take_three_bit_runs();
   }
 
-  // Channels per byte (2, 4 or 8) where every byte of a `dim`-channel row is one look-up of that many levels in one
-  // table, in channel order, covering exactly the row's channels; else 0.
-  int uniform_channels(int64_t dim) const {
-    return uniform_count_ && static_cast<int64_t>(bytes_.size()) * uniform_count_ == dim ? uniform_count_ : 0;
+  // How a `dim`-channel row (a multiple of 8) decodes 8 channels at a time from one table (vector_table): 2, 4 or 8
+  // where every byte is one look-up of that many levels, in channel order; 3 where the row is 3-bit codes of one
+  // codebook in channel order (8 channels per 3 bytes, two per look-up of a level pair); else 0.
+  int vector_kind(int64_t dim) const {
+    if (dim % 8) return 0;
+    const bool wide = uniform_count_ == 2 || uniform_count_ == 4 || uniform_count_ == 8;  // not 8-bit codes (1 per byte)
+    if (wide && static_cast<int64_t>(bytes_.size()) * uniform_count_ == dim) return uniform_count_;
+    if (!bytes_.empty() || !steps_.empty() || runs_.empty()) return 0;
+    int64_t groups = 0;  // the runs must follow each other from byte 0 and share one pair table
+    for (const Run& run : runs_) {
+      if (run.byte != 3 * groups || run.channel != 8 * groups || run.pairs != runs_[0].pairs) return 0;
+      groups += run.groups;
+    }
+    return 8 * groups == dim ? 3 : 0;
   }
-  // That table: uniform_channels() levels per byte value.
-  const float* uniform_table() const { return tables_[0].data(); }
+  // That table: per byte value its levels (kinds 2, 4, 8), or the run's 64 level pairs (kind 3).
+  const float* vector_table() const { return uniform_count_ ? tables_[0].data() : pairs_[runs_[0].pairs].data(); }
 
   void decode(const uint8_t* row, float* out) const {
     switch (uniform_count_) {
@@ -273,25 +282,13 @@ __attribute__((always_inline)) inline float decode_token(const std::vector<Coded
   return several ? 1.0f : scale;
 }
 
-// One head's online-softmax state; always inlined, so one_head and one_head_avx2 compile it for their own ISA.
-__attribute__((always_inline)) inline void one_head_with(const DecodeArgs& a, const std::vector<const RowDecoder*>& keys,
-                                                          const std::vector<const RowDecoder*>& values, int64_t head) {
-  const int64_t G = a.group, n = a.n, kd = a.key_dim, vd = a.value_dim;
+// Turns one head's logits (G rows of n; masked tokens set to -inf here) into exp(logit - max) in place and writes the
+// head's max and sum, with its value sums zeroed for the caller to add to.
+inline void softmax_rows(const DecodeArgs& a, float* logits, const uint8_t* valid, int64_t head) {
+  const int64_t G = a.group, n = a.n, vd = a.value_dim;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  std::vector<float> row(static_cast<size_t>(std::max(kd, vd)), 0.0f), logits(static_cast<size_t>(G * n), 0.0f);
-  const float* q = a.queries + head * G * kd;
-  const uint8_t* valid = a.valid ? a.valid + (head / a.heads_per_batch) * n : nullptr;
-  // A token's segments are decoded side by side into one row (each segment's levels times its scale where there are
-  // several), which then meets the G queries in one product over the segments' channels.
-  const bool several_keys = a.keys.size() > 1, several_values = a.values.size() > 1;
-  const int64_t key_first = several_keys ? 0 : a.keys[0].first, key_width = several_keys ? kd : a.keys[0].dim;
-  for (int64_t r = 0; r < n; ++r) {
-    if (valid && !valid[r]) continue;
-    const float scale = decode_token(a.keys, keys, head, r, several_keys, row.data());
-    for (int64_t g = 0; g < G; ++g) logits[g * n + r] = scale * dot(q + g * kd + key_first, row.data() + key_first, key_width);
-  }
   for (int64_t g = 0; g < G; ++g) {
-    float* lg = logits.data() + g * n;
+    float* lg = logits + g * n;
     if (valid)
       for (int64_t r = 0; r < n; ++r)
         if (!valid[r]) lg[r] = kNegInf;
@@ -306,6 +303,25 @@ __attribute__((always_inline)) inline void one_head_with(const DecodeArgs& a, co
     a.sum[head * G + g] = total;
     std::fill(a.acc + (head * G + g) * vd, a.acc + (head * G + g + 1) * vd, 0.0f);
   }
+}
+
+// One head's online-softmax state; always inlined, so one_head and one_head_avx2 compile it for their own ISA.
+__attribute__((always_inline)) inline void one_head_with(const DecodeArgs& a, const std::vector<const RowDecoder*>& keys,
+                                                          const std::vector<const RowDecoder*>& values, int64_t head) {
+  const int64_t G = a.group, n = a.n, kd = a.key_dim, vd = a.value_dim;
+  std::vector<float> row(static_cast<size_t>(std::max(kd, vd)), 0.0f), logits(static_cast<size_t>(G * n), 0.0f);
+  const float* q = a.queries + head * G * kd;
+  const uint8_t* valid = a.valid ? a.valid + (head / a.heads_per_batch) * n : nullptr;
+  // A token's segments are decoded side by side into one row (each segment's levels times its scale where there are
+  // several), which then meets the G queries in one product over the segments' channels.
+  const bool several_keys = a.keys.size() > 1, several_values = a.values.size() > 1;
+  const int64_t key_first = several_keys ? 0 : a.keys[0].first, key_width = several_keys ? kd : a.keys[0].dim;
+  for (int64_t r = 0; r < n; ++r) {
+    if (valid && !valid[r]) continue;
+    const float scale = decode_token(a.keys, keys, head, r, several_keys, row.data());
+    for (int64_t g = 0; g < G; ++g) logits[g * n + r] = scale * dot(q + g * kd + key_first, row.data() + key_first, key_width);
+  }
+  softmax_rows(a, logits.data(), valid, head);
   std::fill(row.begin(), row.end(), 0.0f);
   const int64_t value_first = several_values ? 0 : a.values[0].first, value_width = several_values ? vd : a.values[0].dim;
   for (int64_t r = 0; r < n; ++r) {
@@ -332,24 +348,40 @@ __attribute__((target("avx2,fma"))) void one_head_avx2(const DecodeArgs& a, cons
   one_head_with(a, keys, values, head);
 }
 
-// Levels of channels [8 * j, 8 * j + 8) of a row whose bytes each hold `count` channels in order (a uniform
-// decoder), gathered from its table straight into a register: no decoded row is stored and read back (a wide read of
-// several narrow stores waits for them to retire).
-template <int count>
+// Levels of channels [8 * j, 8 * j + 8) of a row of RowDecoder::vector_kind `kind`, gathered from its table straight
+// into a register: no decoded row is stored and read back (a wide read of several narrow stores waits for them).
+template <int kind>
 __attribute__((target("avx2,fma"), always_inline)) inline __m256 levels8(const float* table, const uint8_t* row, int64_t j) {
-  if constexpr (count == 8) {
+  if constexpr (kind == 8) {
     return _mm256_loadu_ps(table + 8 * static_cast<size_t>(row[j]));
-  } else if constexpr (count == 4) {
+  } else if constexpr (kind == 4) {
     const __m128 low = _mm_loadu_ps(table + 4 * static_cast<size_t>(row[2 * j]));
     const __m128 high = _mm_loadu_ps(table + 4 * static_cast<size_t>(row[2 * j + 1]));
     return _mm256_insertf128_ps(_mm256_castps128_ps256(low), high, 1);
   } else {
-    static_assert(count == 2, "uniform decoders hold 2, 4 or 8 channels per byte");
-    const uint8_t* b = row + 4 * j;
-    auto pair = [&](int i) { return reinterpret_cast<const double*>(table + 2 * static_cast<size_t>(b[i])); };
-    const __m128d low = _mm_loadh_pd(_mm_load_sd(pair(0)), pair(1));
-    const __m128d high = _mm_loadh_pd(_mm_load_sd(pair(2)), pair(3));
+    static_assert(kind == 2 || kind == 3, "vector kinds are 2, 3, 4 and 8");
+    size_t pair[4];  // four level pairs: one byte each (kind 2), or 6-bit fields of three bytes (kind 3)
+    if constexpr (kind == 2) {
+      for (int i = 0; i < 4; ++i) pair[i] = row[4 * j + i];
+    } else {
+      const uint8_t* p = row + 3 * j;
+      const uint32_t bits = p[0] | (p[1] << 8) | (p[2] << 16);
+      for (int i = 0; i < 4; ++i) pair[i] = (bits >> (6 * i)) & 63u;
+    }
+    auto at = [&](int i) { return reinterpret_cast<const double*>(table + 2 * pair[i]); };
+    const __m128d low = _mm_loadh_pd(_mm_load_sd(at(0)), at(1));
+    const __m128d high = _mm_loadh_pd(_mm_load_sd(at(2)), at(3));
     return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_castpd_ps(low)), _mm_castpd_ps(high), 1);
+  }
+}
+
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 levels8(int kind, const float* table, const uint8_t* row,
+                                                                        int64_t j) {
+  switch (kind) {
+    case 8: return levels8<8>(table, row, j);
+    case 4: return levels8<4>(table, row, j);
+    case 3: return levels8<3>(table, row, j);
+    default: return levels8<2>(table, row, j);
   }
 }
 
@@ -359,20 +391,90 @@ __attribute__((target("avx2,fma"), always_inline)) inline float sum8(__m256 x) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// Most vectors of 8 channels per row that one_head_uniform_avx2 holds.
+// Most vectors of 8 channels that one token's segments hold in one_head_vectors_avx2.
 constexpr int64_t kMaxRowVectors = 64;
 
-// one_head_avx2 for one key and one value segment whose decoders are uniform (kc and vc channels per byte; rows of
-// a multiple of 8 channels, at most 8 * kMaxRowVectors): each token's levels are gathered into registers and meet the
-// G queries (keys) or weights (values) there.
-template <int kc, int vc>
-__attribute__((target("avx2,fma"))) void one_head_uniform_avx2(const DecodeArgs& a, const RowDecoder& key_decoder,
-                                                               const RowDecoder& value_decoder, int64_t head) {
+// One segment as one_head_vectors_avx2 reads it: its RowDecoder::vector_kind and table.
+struct VectorSegment {
+  int kind;
+  const float* table;
+};
+
+// Gathers token r's levels of every segment of one head into `levels` (segment by segment, each times its scale where
+// there are several) and returns the scale they still need (the one segment's, or 1).
+__attribute__((target("avx2,fma"), always_inline)) inline float gather_token(const std::vector<CodedTokens>& segments,
+                                                                            const std::vector<VectorSegment>& kinds,
+                                                                            int64_t head, int64_t r, __m256* levels) {
+  const bool several = segments.size() > 1;
+  float scale = 1.0f;
+  for (size_t s = 0; s < segments.size(); ++s) {
+    const CodedTokens& seg = segments[s];
+    const uint8_t* row = seg.packed + head * seg.head_stride + r * seg.row_bytes;
+    scale = seg.scale[head * seg.scale_stride + r];
+    const __m256 factor = _mm256_set1_ps(scale);
+    for (int64_t j = 0; j < seg.dim / 8; ++j) {
+      const __m256 v = levels8(kinds[s].kind, kinds[s].table, row, j);
+      *levels++ = several ? _mm256_mul_ps(v, factor) : v;
+    }
+  }
+  return several ? 1.0f : scale;
+}
+
+// one_head_avx2 where every segment decodes 8 channels at a time (RowDecoder::vector_kind; at most 8 *
+// kMaxRowVectors channels per side): each token's levels are gathered into registers and meet the G queries (keys) or
+// the softmax weights (values) there.
+__attribute__((target("avx2,fma"))) void one_head_vectors_avx2(const DecodeArgs& a, const std::vector<VectorSegment>& key_kinds,
+                                                               const std::vector<VectorSegment>& value_kinds, int64_t head) {
   const int64_t G = a.group, n = a.n, kd = a.key_dim, vd = a.value_dim;
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const float* q = a.queries + head * G * kd;
+  const uint8_t* valid = a.valid ? a.valid + (head / a.heads_per_batch) * n : nullptr;
+  std::vector<float> logits(static_cast<size_t>(G * n), 0.0f);
+  __m256 levels[kMaxRowVectors];
+  for (int64_t r = 0; r < n; ++r) {
+    if (valid && !valid[r]) continue;
+    const float scale = gather_token(a.keys, key_kinds, head, r, levels);
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+      const __m256* v = levels;
+      for (const CodedTokens& seg : a.keys) {
+        const float* qg = q + g * kd + seg.first;
+        const int64_t vectors = seg.dim / 8;
+        int64_t j = 0;
+        for (; j + 2 <= vectors; j += 2) {
+          even = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j), v[j], even);
+          odd = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j + 8), v[j + 1], odd);
+        }
+        if (j < vectors) even = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j), v[j], even);
+        v += vectors;
+      }
+      logits[g * n + r] = scale * sum8(_mm256_add_ps(even, odd));
+    }
+  }
+  softmax_rows(a, logits.data(), valid, head);
+  for (int64_t r = 0; r < n; ++r) {
+    if (valid && !valid[r]) continue;
+    const float scale = gather_token(a.values, value_kinds, head, r, levels);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m256 w = _mm256_set1_ps(logits[g * n + r] * scale);
+      const __m256* v = levels;
+      for (const CodedTokens& seg : a.values) {
+        float* acc = a.acc + (head * G + g) * vd + seg.first;
+        for (int64_t j = 0; j < seg.dim / 8; ++j)
+          _mm256_storeu_ps(acc + 8 * j, _mm256_fmadd_ps(w, v[j], _mm256_loadu_ps(acc + 8 * j)));
+        v += seg.dim / 8;
+      }
+    }
+  }
+}
+
+// one_head_vectors_avx2 for one key and one value segment of kinds kc and vc, with the kinds known at compile time.
+template <int kc, int vc>
+__attribute__((target("avx2,fma"))) void one_head_single_avx2(const DecodeArgs& a, const std::vector<VectorSegment>& key_kinds,
+                                                              const std::vector<VectorSegment>& value_kinds, int64_t head) {
+  const int64_t G = a.group, n = a.n, kd = a.key_dim, vd = a.value_dim;
   const CodedTokens &ks = a.keys[0], &vs = a.values[0];
   const int64_t key_vectors = ks.dim / 8, value_vectors = vs.dim / 8;
-  const float *key_table = key_decoder.uniform_table(), *value_table = value_decoder.uniform_table();
+  const float *key_table = key_kinds[0].table, *value_table = value_kinds[0].table;
   const uint8_t *key_rows = ks.packed + head * ks.head_stride, *value_rows = vs.packed + head * vs.head_stride;
   const float *key_scale = ks.scale + head * ks.scale_stride, *value_scale = vs.scale + head * vs.scale_stride;
   const float* q = a.queries + head * G * kd + ks.first;
@@ -395,22 +497,7 @@ __attribute__((target("avx2,fma"))) void one_head_uniform_avx2(const DecodeArgs&
       logits[g * n + r] = key_scale[r] * sum8(_mm256_add_ps(even, odd));
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float* lg = logits.data() + g * n;
-    if (valid)
-      for (int64_t r = 0; r < n; ++r)
-        if (!valid[r]) lg[r] = kNegInf;
-    const float m = n ? *std::max_element(lg, lg + n) : kNegInf;
-    float total = 0.0f;
-    if (m != kNegInf) {
-      for (int64_t r = 0; r < n; ++r) total += (lg[r] = std::exp(lg[r] - m));
-    } else {
-      std::fill(lg, lg + n, 0.0f);
-    }
-    a.max[head * G + g] = m;
-    a.sum[head * G + g] = total;
-    std::fill(a.acc + (head * G + g) * vd, a.acc + (head * G + g + 1) * vd, 0.0f);
-  }
+  softmax_rows(a, logits.data(), valid, head);
   for (int64_t r = 0; r < n; ++r) {
     if (valid && !valid[r]) continue;
     const uint8_t* row = value_rows + r * vs.row_bytes;
@@ -424,28 +511,44 @@ __attribute__((target("avx2,fma"))) void one_head_uniform_avx2(const DecodeArgs&
   }
 }
 
-// one_head_uniform_avx2 for these segments' decoders, or null where it does not serve them.
-using HeadFunction = void (*)(const DecodeArgs&, const RowDecoder&, const RowDecoder&, int64_t);
-HeadFunction uniform_head(const DecodeArgs& a, const RowDecoder* key_decoder, const RowDecoder* value_decoder) {
-  if (a.keys.size() != 1 || a.values.size() != 1 || !has_avx2()) return nullptr;
-  const int64_t kdim = a.keys[0].dim, vdim = a.values[0].dim;
-  if (kdim % 8 || vdim % 8 || kdim > 8 * kMaxRowVectors || vdim > 8 * kMaxRowVectors) return nullptr;
-  const int kc = key_decoder->uniform_channels(kdim), vc = value_decoder->uniform_channels(vdim);
-  auto pick = [&](auto key_count) -> HeadFunction {
-    constexpr int k = decltype(key_count)::value;
-    switch (vc) {
-      case 2: return one_head_uniform_avx2<k, 2>;
-      case 4: return one_head_uniform_avx2<k, 4>;
-      case 8: return one_head_uniform_avx2<k, 8>;
-      default: return nullptr;
-    }
-  };
+using VectorHead = void (*)(const DecodeArgs&, const std::vector<VectorSegment>&, const std::vector<VectorSegment>&, int64_t);
+
+// one_head_single_avx2 for value kind vc and key kind `kc`.
+template <int vc>
+VectorHead single_head(int kc) {
   switch (kc) {
-    case 2: return pick(std::integral_constant<int, 2>{});
-    case 4: return pick(std::integral_constant<int, 4>{});
-    case 8: return pick(std::integral_constant<int, 8>{});
-    default: return nullptr;
+    case 8: return one_head_single_avx2<8, vc>;
+    case 4: return one_head_single_avx2<4, vc>;
+    case 3: return one_head_single_avx2<3, vc>;
+    default: return one_head_single_avx2<2, vc>;
   }
+}
+
+// The head function for these segment kinds: one_head_single_avx2 for one segment a side, else one_head_vectors_avx2.
+VectorHead vector_head(const std::vector<VectorSegment>& key_kinds, const std::vector<VectorSegment>& value_kinds) {
+  if (key_kinds.size() != 1 || value_kinds.size() != 1) return one_head_vectors_avx2;
+  const int kc = key_kinds[0].kind;
+  switch (value_kinds[0].kind) {
+    case 8: return single_head<8>(kc);
+    case 4: return single_head<4>(kc);
+    case 3: return single_head<3>(kc);
+    default: return single_head<2>(kc);
+  }
+}
+
+// The segments as one_head_vectors_avx2 reads them, or empty where it does not serve them all (no AVX2, a segment
+// that does not decode 8 channels at a time, more than kMaxRowVectors vectors).
+std::vector<VectorSegment> vector_segments(const std::vector<CodedTokens>& segments,
+                                           const std::vector<const RowDecoder*>& decoders) {
+  std::vector<VectorSegment> out;
+  int64_t vectors = 0;
+  for (size_t s = 0; s < segments.size(); ++s) {
+    const int kind = decoders[s]->vector_kind(segments[s].dim);
+    vectors += segments[s].dim / 8;
+    if (!kind || vectors > kMaxRowVectors) return {};
+    out.push_back({kind, decoders[s]->vector_table()});
+  }
+  return out;
 }
 #endif
 
@@ -464,11 +567,15 @@ void decode_attention(const DecodeArgs& a) {
   };
   const std::vector<const RowDecoder*> keys = decoders(a.keys), values = decoders(a.values);
 #if defined(__x86_64__) || defined(_M_X64)
-  if (const HeadFunction uniform = uniform_head(a, keys[0], values[0])) {
-    parallel_for(static_cast<size_t>(a.heads), a.threads, [&](size_t begin, size_t end) {
-      for (size_t h = begin; h < end; ++h) uniform(a, *keys[0], *values[0], static_cast<int64_t>(h));
-    });
-    return;
+  if (has_avx2()) {
+    const std::vector<VectorSegment> key_kinds = vector_segments(a.keys, keys), value_kinds = vector_segments(a.values, values);
+    if (!key_kinds.empty() && !value_kinds.empty()) {
+      const VectorHead vector = vector_head(key_kinds, value_kinds);
+      parallel_for(static_cast<size_t>(a.heads), a.threads, [&](size_t begin, size_t end) {
+        for (size_t h = begin; h < end; ++h) vector(a, key_kinds, value_kinds, static_cast<int64_t>(h));
+      });
+      return;
+    }
   }
 #endif
   auto head = one_head;
