@@ -60,9 +60,10 @@ def test_native_decode_attention_mixes_key_and_value_widths(key_bits: int, value
     assert torch.allclose(native, reference, rtol=0, atol=1e-4 * reference.abs().max().item())
 
 
-def test_native_decode_attention_masks_tokens() -> None:
+@pytest.mark.parametrize("bits", [4, 3, 2.5, 8])  # one segment by vectors, a run of 3-bit codes, two segments, rows
+def test_native_decode_attention_masks_tokens(bits: float) -> None:
     """Masked coded tokens, and a batch row whose coded tokens are all masked, agree with the torch path."""
-    step = _step(4, batch=2, context=200, window=8, seed=3)
+    step = _step(bits, batch=2, context=200, window=8, seed=3)
     valid = torch.ones(2, step.sink_keys.shape[2] + step.n_codes + step.window_keys.shape[2], dtype=torch.bool)
     valid[0, 10:150] = False
     valid[1, step.sink_keys.shape[2]:step.sink_keys.shape[2] + step.n_codes] = False
