@@ -375,16 +375,6 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m256 levels8(const f
   }
 }
 
-__attribute__((target("avx2,fma"), always_inline)) inline __m256 levels8(int kind, const float* table, const uint8_t* row,
-                                                                        int64_t j) {
-  switch (kind) {
-    case 8: return levels8<8>(table, row, j);
-    case 4: return levels8<4>(table, row, j);
-    case 3: return levels8<3>(table, row, j);
-    default: return levels8<2>(table, row, j);
-  }
-}
-
 __attribute__((target("avx2,fma"), always_inline)) inline float sum8(__m256 x) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -400,74 +390,76 @@ struct VectorSegment {
   const float* table;
 };
 
-// Gathers token r's levels of every segment of one head into `levels` (segment by segment, each times its scale where
-// there are several) and returns the scale they still need (the one segment's, or 1).
-__attribute__((target("avx2,fma"), always_inline)) inline float gather_token(const std::vector<CodedTokens>& segments,
-                                                                            const std::vector<VectorSegment>& kinds,
-                                                                            int64_t head, int64_t r, __m256* levels) {
-  const bool several = segments.size() > 1;
-  float scale = 1.0f;
+// Levels of `vectors` vectors of a row of kind `kind`, each times `factor`, into `out`.
+template <int kind>
+__attribute__((target("avx2,fma"), always_inline)) inline void scaled_levels(const float* table, const uint8_t* row,
+                                                                            int64_t vectors, __m256 factor, __m256* out) {
+  for (int64_t j = 0; j < vectors; ++j) out[j] = _mm256_mul_ps(levels8<kind>(table, row, j), factor);
+}
+
+// Gathers token r's levels of every segment of one head into `levels`, side by side, each segment's times its scale.
+__attribute__((target("avx2,fma"), always_inline)) inline void gather_token(const std::vector<CodedTokens>& segments,
+                                                                           const std::vector<VectorSegment>& kinds,
+                                                                           int64_t head, int64_t r, __m256* levels) {
   for (size_t s = 0; s < segments.size(); ++s) {
     const CodedTokens& seg = segments[s];
     const uint8_t* row = seg.packed + head * seg.head_stride + r * seg.row_bytes;
-    scale = seg.scale[head * seg.scale_stride + r];
-    const __m256 factor = _mm256_set1_ps(scale);
-    for (int64_t j = 0; j < seg.dim / 8; ++j) {
-      const __m256 v = levels8(kinds[s].kind, kinds[s].table, row, j);
-      *levels++ = several ? _mm256_mul_ps(v, factor) : v;
+    const __m256 factor = _mm256_set1_ps(seg.scale[head * seg.scale_stride + r]);
+    const int64_t vectors = seg.dim / 8;
+    switch (kinds[s].kind) {
+      case 8: scaled_levels<8>(kinds[s].table, row, vectors, factor, levels); break;
+      case 4: scaled_levels<4>(kinds[s].table, row, vectors, factor, levels); break;
+      case 3: scaled_levels<3>(kinds[s].table, row, vectors, factor, levels); break;
+      default: scaled_levels<2>(kinds[s].table, row, vectors, factor, levels); break;
     }
+    levels += vectors;
   }
-  return several ? 1.0f : scale;
 }
 
-// one_head_avx2 where every segment decodes 8 channels at a time (RowDecoder::vector_kind; at most 8 *
-// kMaxRowVectors channels per side): each token's levels are gathered into registers and meet the G queries (keys) or
-// the softmax weights (values) there.
+// one_head_avx2 for several segments a side that each decode 8 channels at a time (RowDecoder::vector_kind; side by
+// side from the first segment's channel, at most 8 * kMaxRowVectors channels a side): each token's levels are
+// gathered into registers, each segment's times its scale, and meet the G queries (keys) or the softmax weights
+// (values) there.
 __attribute__((target("avx2,fma"))) void one_head_vectors_avx2(const DecodeArgs& a, const std::vector<VectorSegment>& key_kinds,
                                                                const std::vector<VectorSegment>& value_kinds, int64_t head) {
   const int64_t G = a.group, n = a.n, kd = a.key_dim, vd = a.value_dim;
-  const float* q = a.queries + head * G * kd;
+  int64_t key_vectors = 0, value_vectors = 0;
+  for (const CodedTokens& seg : a.keys) key_vectors += seg.dim / 8;
+  for (const CodedTokens& seg : a.values) value_vectors += seg.dim / 8;
+  const float* q = a.queries + head * G * kd + a.keys[0].first;
   const uint8_t* valid = a.valid ? a.valid + (head / a.heads_per_batch) * n : nullptr;
   std::vector<float> logits(static_cast<size_t>(G * n), 0.0f);
   __m256 levels[kMaxRowVectors];
   for (int64_t r = 0; r < n; ++r) {
     if (valid && !valid[r]) continue;
-    const float scale = gather_token(a.keys, key_kinds, head, r, levels);
+    gather_token(a.keys, key_kinds, head, r, levels);
     for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * kd;
       __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
-      const __m256* v = levels;
-      for (const CodedTokens& seg : a.keys) {
-        const float* qg = q + g * kd + seg.first;
-        const int64_t vectors = seg.dim / 8;
-        int64_t j = 0;
-        for (; j + 2 <= vectors; j += 2) {
-          even = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j), v[j], even);
-          odd = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j + 8), v[j + 1], odd);
-        }
-        if (j < vectors) even = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j), v[j], even);
-        v += vectors;
+      int64_t j = 0;
+      for (; j + 2 <= key_vectors; j += 2) {
+        even = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j), levels[j], even);
+        odd = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j + 8), levels[j + 1], odd);
       }
-      logits[g * n + r] = scale * sum8(_mm256_add_ps(even, odd));
+      if (j < key_vectors) even = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j), levels[j], even);
+      logits[g * n + r] = sum8(_mm256_add_ps(even, odd));
     }
   }
   softmax_rows(a, logits.data(), valid, head);
   for (int64_t r = 0; r < n; ++r) {
     if (valid && !valid[r]) continue;
-    const float scale = gather_token(a.values, value_kinds, head, r, levels);
+    gather_token(a.values, value_kinds, head, r, levels);
     for (int64_t g = 0; g < G; ++g) {
-      const __m256 w = _mm256_set1_ps(logits[g * n + r] * scale);
-      const __m256* v = levels;
-      for (const CodedTokens& seg : a.values) {
-        float* acc = a.acc + (head * G + g) * vd + seg.first;
-        for (int64_t j = 0; j < seg.dim / 8; ++j)
-          _mm256_storeu_ps(acc + 8 * j, _mm256_fmadd_ps(w, v[j], _mm256_loadu_ps(acc + 8 * j)));
-        v += seg.dim / 8;
-      }
+      const __m256 w = _mm256_set1_ps(logits[g * n + r]);
+      float* acc = a.acc + (head * G + g) * vd + a.values[0].first;
+      for (int64_t j = 0; j < value_vectors; ++j)
+        _mm256_storeu_ps(acc + 8 * j, _mm256_fmadd_ps(w, levels[j], _mm256_loadu_ps(acc + 8 * j)));
     }
   }
 }
 
-// one_head_vectors_avx2 for one key and one value segment of kinds kc and vc, with the kinds known at compile time.
+// The vector head for one key and one value segment, of kinds kc and vc known at compile time (levels not scaled:
+// the one scale multiplies the logit, and the weight).
 template <int kc, int vc>
 __attribute__((target("avx2,fma"))) void one_head_single_avx2(const DecodeArgs& a, const std::vector<VectorSegment>& key_kinds,
                                                               const std::vector<VectorSegment>& value_kinds, int64_t head) {
@@ -536,16 +528,17 @@ VectorHead vector_head(const std::vector<VectorSegment>& key_kinds, const std::v
   }
 }
 
-// The segments as one_head_vectors_avx2 reads them, or empty where it does not serve them all (no AVX2, a segment
-// that does not decode 8 channels at a time, more than kMaxRowVectors vectors).
+// The segments as the vector heads read them, or empty where those do not serve them all (a segment that does not
+// decode 8 channels at a time, segments not side by side, more than kMaxRowVectors vectors).
 std::vector<VectorSegment> vector_segments(const std::vector<CodedTokens>& segments,
                                            const std::vector<const RowDecoder*>& decoders) {
   std::vector<VectorSegment> out;
   int64_t vectors = 0;
   for (size_t s = 0; s < segments.size(); ++s) {
     const int kind = decoders[s]->vector_kind(segments[s].dim);
+    const bool adjacent = s == 0 || segments[s].first == segments[s - 1].first + segments[s - 1].dim;
     vectors += segments[s].dim / 8;
-    if (!kind || vectors > kMaxRowVectors) return {};
+    if (!kind || !adjacent || vectors > kMaxRowVectors) return {};
     out.push_back({kind, decoders[s]->vector_table()});
   }
   return out;
