@@ -381,6 +381,19 @@ __attribute__((target("avx2,fma"), always_inline)) inline float sum8(__m256 x) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// <q, levels> over `vectors` vectors of 8 channels (two partial sums).
+__attribute__((target("avx2,fma"), always_inline)) inline float dot_vectors(const float* q, const __m256* levels,
+                                                                           int64_t vectors) {
+  __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 2 <= vectors; j += 2) {
+    even = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * j), levels[j], even);
+    odd = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * j + 8), levels[j + 1], odd);
+  }
+  if (j < vectors) even = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * j), levels[j], even);
+  return sum8(_mm256_add_ps(even, odd));
+}
+
 // Most vectors of 8 channels that one token's segments hold in one_head_vectors_avx2.
 constexpr int64_t kMaxRowVectors = 64;
 
@@ -434,15 +447,7 @@ __attribute__((target("avx2,fma"))) void one_head_vectors_avx2(const DecodeArgs&
     if (valid && !valid[r]) continue;
     gather_token(a.keys, key_kinds, head, r, levels);
     for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q + g * kd;
-      __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
-      int64_t j = 0;
-      for (; j + 2 <= key_vectors; j += 2) {
-        even = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j), levels[j], even);
-        odd = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j + 8), levels[j + 1], odd);
-      }
-      if (j < key_vectors) even = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j), levels[j], even);
-      logits[g * n + r] = sum8(_mm256_add_ps(even, odd));
+      logits[g * n + r] = dot_vectors(q + g * kd, levels, key_vectors);
     }
   }
   softmax_rows(a, logits.data(), valid, head);
@@ -478,15 +483,7 @@ __attribute__((target("avx2,fma"))) void one_head_single_avx2(const DecodeArgs& 
     const uint8_t* row = key_rows + r * ks.row_bytes;
     for (int64_t j = 0; j < key_vectors; ++j) levels[j] = levels8<kc>(key_table, row, j);
     for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q + g * kd;
-      __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
-      int64_t j = 0;
-      for (; j + 2 <= key_vectors; j += 2) {
-        even = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j), levels[j], even);
-        odd = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j + 8), levels[j + 1], odd);
-      }
-      if (j < key_vectors) even = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j), levels[j], even);
-      logits[g * n + r] = key_scale[r] * sum8(_mm256_add_ps(even, odd));
+      logits[g * n + r] = key_scale[r] * dot_vectors(q + g * kd, levels, key_vectors);
     }
   }
   softmax_rows(a, logits.data(), valid, head);
