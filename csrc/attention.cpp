@@ -11,6 +11,7 @@
 #endif
 
 #include "parallel.h"
+#include "vector_math.h"
 
 namespace tqvec {
 
@@ -267,14 +268,13 @@ __attribute__((always_inline)) inline float dot(const float* a, const float* b, 
 
 // Decodes token r of `head` from every segment into `row` (each at its first channel) and returns the scale its
 // levels still need: the one segment's, or 1 when there are `several` (each segment's levels already carry theirs).
-__attribute__((always_inline)) inline float decode_token(const std::vector<CodedTokens>& segments,
-                                                         const std::vector<const RowDecoder*>& decoders, int64_t head,
-                                                         int64_t r, bool several, float* row) {
+__attribute__((always_inline)) inline float decode_token(const std::vector<CodedTokens>& segments, int64_t head, int64_t r,
+                                                         bool several, float* row) {
   float scale = 1.0f;
   for (size_t s = 0; s < segments.size(); ++s) {
     const CodedTokens& seg = segments[s];
     float* out = row + seg.first;
-    decoders[s]->decode(seg.packed + head * seg.head_stride + r * seg.row_bytes, out);
+    seg.decoder->decode(seg.packed + head * seg.head_stride + r * seg.row_bytes, out);
     scale = seg.scale[head * seg.scale_stride + r];
     if (several)
       for (int64_t c = 0; c < seg.dim; ++c) out[c] *= scale;
@@ -306,8 +306,7 @@ inline void softmax_rows(const DecodeArgs& a, float* logits, const uint8_t* vali
 }
 
 // One head's online-softmax state; always inlined, so one_head and one_head_avx2 compile it for their own ISA.
-__attribute__((always_inline)) inline void one_head_with(const DecodeArgs& a, const std::vector<const RowDecoder*>& keys,
-                                                          const std::vector<const RowDecoder*>& values, int64_t head) {
+__attribute__((always_inline)) inline void one_head_with(const DecodeArgs& a, int64_t head) {
   const int64_t G = a.group, n = a.n, kd = a.key_dim, vd = a.value_dim;
   std::vector<float> row(static_cast<size_t>(std::max(kd, vd)), 0.0f), logits(static_cast<size_t>(G * n), 0.0f);
   const float* q = a.queries + head * G * kd;
@@ -318,7 +317,7 @@ __attribute__((always_inline)) inline void one_head_with(const DecodeArgs& a, co
   const int64_t key_first = several_keys ? 0 : a.keys[0].first, key_width = several_keys ? kd : a.keys[0].dim;
   for (int64_t r = 0; r < n; ++r) {
     if (valid && !valid[r]) continue;
-    const float scale = decode_token(a.keys, keys, head, r, several_keys, row.data());
+    const float scale = decode_token(a.keys, head, r, several_keys, row.data());
     for (int64_t g = 0; g < G; ++g) logits[g * n + r] = scale * dot(q + g * kd + key_first, row.data() + key_first, key_width);
   }
   softmax_rows(a, logits.data(), valid, head);
@@ -326,7 +325,7 @@ __attribute__((always_inline)) inline void one_head_with(const DecodeArgs& a, co
   const int64_t value_first = several_values ? 0 : a.values[0].first, value_width = several_values ? vd : a.values[0].dim;
   for (int64_t r = 0; r < n; ++r) {
     if (valid && !valid[r]) continue;
-    const float scale = decode_token(a.values, values, head, r, several_values, row.data());
+    const float scale = decode_token(a.values, head, r, several_values, row.data());
     for (int64_t g = 0; g < G; ++g) {
       const float w = logits[g * n + r] * scale;
       float* __restrict__ acc = a.acc + (head * G + g) * vd + value_first;
@@ -336,16 +335,14 @@ __attribute__((always_inline)) inline void one_head_with(const DecodeArgs& a, co
   }
 }
 
-void one_head(const DecodeArgs& a, const std::vector<const RowDecoder*>& keys,
-              const std::vector<const RowDecoder*>& values, int64_t head) {
-  one_head_with(a, keys, values, head);
+void one_head(const DecodeArgs& a, int64_t head) {
+  one_head_with(a, head);
 }
 
 #if defined(__x86_64__) || defined(_M_X64)
 // one_head with 8-lane FMA products and sums (AVX2 + FMA).
-__attribute__((target("avx2,fma"))) void one_head_avx2(const DecodeArgs& a, const std::vector<const RowDecoder*>& keys,
-                                                       const std::vector<const RowDecoder*>& values, int64_t head) {
-  one_head_with(a, keys, values, head);
+__attribute__((target("avx2,fma"))) void one_head_avx2(const DecodeArgs& a, int64_t head) {
+  one_head_with(a, head);
 }
 
 // Levels of channels [8 * j, 8 * j + 8) of a row of RowDecoder::vector_kind `kind`, gathered from its table straight
@@ -375,12 +372,6 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m256 levels8(const f
   }
 }
 
-__attribute__((target("avx2,fma"), always_inline)) inline float sum8(__m256 x) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 // <q, levels> over `vectors` vectors of 8 channels (two partial sums).
 __attribute__((target("avx2,fma"), always_inline)) inline float dot_vectors(const float* q, const __m256* levels,
                                                                            int64_t vectors) {
@@ -391,13 +382,13 @@ __attribute__((target("avx2,fma"), always_inline)) inline float dot_vectors(cons
     odd = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * j + 8), levels[j + 1], odd);
   }
   if (j < vectors) even = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * j), levels[j], even);
-  return sum8(_mm256_add_ps(even, odd));
+  return lane_sum(_mm256_add_ps(even, odd));
 }
 
-// Most vectors of 8 channels that one token's segments hold in one_head_vectors_avx2.
+// Most vectors of 8 channels that one token's segments hold in vector_head_with.
 constexpr int64_t kMaxRowVectors = 64;
 
-// One segment as one_head_vectors_avx2 reads it: its RowDecoder::vector_kind and table.
+// One segment as vector_head_with reads it: its RowDecoder::vector_kind and table.
 struct VectorSegment {
   int kind;
   const float* table;
@@ -410,52 +401,75 @@ __attribute__((target("avx2,fma"), always_inline)) inline void scaled_levels(con
   for (int64_t j = 0; j < vectors; ++j) out[j] = _mm256_mul_ps(levels8<kind>(table, row, j), factor);
 }
 
-// Gathers token r's levels of every segment of one head into `levels`, side by side, each segment's times its scale.
-__attribute__((target("avx2,fma"), always_inline)) inline void gather_token(const std::vector<CodedTokens>& segments,
-                                                                           const std::vector<VectorSegment>& kinds,
-                                                                           int64_t head, int64_t r, __m256* levels) {
-  for (size_t s = 0; s < segments.size(); ++s) {
-    const CodedTokens& seg = segments[s];
-    const uint8_t* row = seg.packed + head * seg.head_stride + r * seg.row_bytes;
-    const __m256 factor = _mm256_set1_ps(seg.scale[head * seg.scale_stride + r]);
-    const int64_t vectors = seg.dim / 8;
-    switch (kinds[s].kind) {
-      case 8: scaled_levels<8>(kinds[s].table, row, vectors, factor, levels); break;
-      case 4: scaled_levels<4>(kinds[s].table, row, vectors, factor, levels); break;
-      case 3: scaled_levels<3>(kinds[s].table, row, vectors, factor, levels); break;
-      default: scaled_levels<2>(kinds[s].table, row, vectors, factor, levels); break;
-    }
-    levels += vectors;
-  }
-}
+// Token r's levels of one head, every segment's side by side, each times its own scale: the
+// scale still due is 1.
+struct SegmentsGather {
+  const std::vector<CodedTokens>& segments;
+  const std::vector<VectorSegment>& kinds;
+  int64_t head;
 
-// one_head_avx2 for several segments a side that each decode 8 channels at a time (RowDecoder::vector_kind; side by
-// side from the first segment's channel, at most 8 * kMaxRowVectors channels a side): each token's levels are
-// gathered into registers, each segment's times its scale, and meet the G queries (keys) or the softmax weights
-// (values) there.
-__attribute__((target("avx2,fma"))) void one_head_vectors_avx2(const DecodeArgs& a, const std::vector<VectorSegment>& key_kinds,
-                                                               const std::vector<VectorSegment>& value_kinds, int64_t head) {
+  __attribute__((target("avx2,fma"), always_inline)) float operator()(int64_t r, __m256* levels) const {
+    for (size_t s = 0; s < segments.size(); ++s) {
+      const CodedTokens& seg = segments[s];
+      const uint8_t* row = seg.packed + head * seg.head_stride + r * seg.row_bytes;
+      const __m256 factor = _mm256_set1_ps(seg.scale[head * seg.scale_stride + r]);
+      const int64_t vectors = seg.dim / 8;
+      switch (kinds[s].kind) {
+        case 8: scaled_levels<8>(kinds[s].table, row, vectors, factor, levels); break;
+        case 4: scaled_levels<4>(kinds[s].table, row, vectors, factor, levels); break;
+        case 3: scaled_levels<3>(kinds[s].table, row, vectors, factor, levels); break;
+        default: scaled_levels<2>(kinds[s].table, row, vectors, factor, levels); break;
+      }
+      levels += vectors;
+    }
+    return 1.0f;
+  }
+};
+
+// Token r's levels of one head of the one segment `seg`, of kind `kind` known at compile time, unscaled: the scale
+// still due is the token's.
+template <int kind>
+struct SingleGather {
+  const float* table;
+  const uint8_t* rows;
+  const float* scale;
+  int64_t row_bytes, vectors;
+
+  SingleGather(const CodedTokens& seg, const VectorSegment& segment_kind, int64_t head)
+      : table(segment_kind.table), rows(seg.packed + head * seg.head_stride), scale(seg.scale + head * seg.scale_stride),
+        row_bytes(seg.row_bytes), vectors(seg.dim / 8) {}
+
+  __attribute__((target("avx2,fma"), always_inline)) float operator()(int64_t r, __m256* levels) const {
+    const uint8_t* row = rows + r * row_bytes;
+    for (int64_t j = 0; j < vectors; ++j) levels[j] = levels8<kind>(table, row, j);
+    return scale[r];
+  }
+};
+
+// One head's online-softmax state where each side's segments decode 8 channels at a time (RowDecoder::vector_kind;
+// side by side from the first segment's channel, at most 8 * kMaxRowVectors channels a side): `keys` / `values`
+// gather a token's `key_vectors` / `value_vectors` levels into registers and return the scale still due, and they
+// meet the G queries (keys) or the softmax weights (values) there.
+template <class KeyGather, class ValueGather>
+__attribute__((target("avx2,fma"), always_inline)) inline void vector_head_with(const DecodeArgs& a, const KeyGather& keys,
+                                                                               int64_t key_vectors, const ValueGather& values,
+                                                                               int64_t value_vectors, int64_t head) {
   const int64_t G = a.group, n = a.n, kd = a.key_dim, vd = a.value_dim;
-  int64_t key_vectors = 0, value_vectors = 0;
-  for (const CodedTokens& seg : a.keys) key_vectors += seg.dim / 8;
-  for (const CodedTokens& seg : a.values) value_vectors += seg.dim / 8;
   const float* q = a.queries + head * G * kd + a.keys[0].first;
   const uint8_t* valid = a.valid ? a.valid + (head / a.heads_per_batch) * n : nullptr;
   std::vector<float> logits(static_cast<size_t>(G * n), 0.0f);
   __m256 levels[kMaxRowVectors];
   for (int64_t r = 0; r < n; ++r) {
     if (valid && !valid[r]) continue;
-    gather_token(a.keys, key_kinds, head, r, levels);
-    for (int64_t g = 0; g < G; ++g) {
-      logits[g * n + r] = dot_vectors(q + g * kd, levels, key_vectors);
-    }
+    const float scale = keys(r, levels);
+    for (int64_t g = 0; g < G; ++g) logits[g * n + r] = scale * dot_vectors(q + g * kd, levels, key_vectors);
   }
   softmax_rows(a, logits.data(), valid, head);
   for (int64_t r = 0; r < n; ++r) {
     if (valid && !valid[r]) continue;
-    gather_token(a.values, value_kinds, head, r, levels);
+    const float scale = values(r, levels);
     for (int64_t g = 0; g < G; ++g) {
-      const __m256 w = _mm256_set1_ps(logits[g * n + r]);
+      const __m256 w = _mm256_set1_ps(logits[g * n + r] * scale);
       float* acc = a.acc + (head * G + g) * vd + a.values[0].first;
       for (int64_t j = 0; j < value_vectors; ++j)
         _mm256_storeu_ps(acc + 8 * j, _mm256_fmadd_ps(w, levels[j], _mm256_loadu_ps(acc + 8 * j)));
@@ -463,41 +477,22 @@ __attribute__((target("avx2,fma"))) void one_head_vectors_avx2(const DecodeArgs&
   }
 }
 
-// The vector head for one key and one value segment, of kinds kc and vc known at compile time (levels not scaled:
-// the one scale multiplies the logit, and the weight).
+// vector_head_with for several segments on some side, their kinds read at run time (one switch per segment).
+__attribute__((target("avx2,fma"))) void one_head_vectors_avx2(const DecodeArgs& a, const std::vector<VectorSegment>& key_kinds,
+                                                               const std::vector<VectorSegment>& value_kinds, int64_t head) {
+  int64_t key_vectors = 0, value_vectors = 0;
+  for (const CodedTokens& seg : a.keys) key_vectors += seg.dim / 8;
+  for (const CodedTokens& seg : a.values) value_vectors += seg.dim / 8;
+  vector_head_with(a, SegmentsGather{a.keys, key_kinds, head}, key_vectors, SegmentsGather{a.values, value_kinds, head},
+                   value_vectors, head);
+}
+
+// vector_head_with for one key and one value segment, of kinds kc and vc known at compile time.
 template <int kc, int vc>
 __attribute__((target("avx2,fma"))) void one_head_single_avx2(const DecodeArgs& a, const std::vector<VectorSegment>& key_kinds,
                                                               const std::vector<VectorSegment>& value_kinds, int64_t head) {
-  const int64_t G = a.group, n = a.n, kd = a.key_dim, vd = a.value_dim;
-  const CodedTokens &ks = a.keys[0], &vs = a.values[0];
-  const int64_t key_vectors = ks.dim / 8, value_vectors = vs.dim / 8;
-  const float *key_table = key_kinds[0].table, *value_table = value_kinds[0].table;
-  const uint8_t *key_rows = ks.packed + head * ks.head_stride, *value_rows = vs.packed + head * vs.head_stride;
-  const float *key_scale = ks.scale + head * ks.scale_stride, *value_scale = vs.scale + head * vs.scale_stride;
-  const float* q = a.queries + head * G * kd + ks.first;
-  const uint8_t* valid = a.valid ? a.valid + (head / a.heads_per_batch) * n : nullptr;
-  std::vector<float> logits(static_cast<size_t>(G * n), 0.0f);
-  __m256 levels[kMaxRowVectors];
-  for (int64_t r = 0; r < n; ++r) {
-    if (valid && !valid[r]) continue;
-    const uint8_t* row = key_rows + r * ks.row_bytes;
-    for (int64_t j = 0; j < key_vectors; ++j) levels[j] = levels8<kc>(key_table, row, j);
-    for (int64_t g = 0; g < G; ++g) {
-      logits[g * n + r] = key_scale[r] * dot_vectors(q + g * kd, levels, key_vectors);
-    }
-  }
-  softmax_rows(a, logits.data(), valid, head);
-  for (int64_t r = 0; r < n; ++r) {
-    if (valid && !valid[r]) continue;
-    const uint8_t* row = value_rows + r * vs.row_bytes;
-    for (int64_t j = 0; j < value_vectors; ++j) levels[j] = levels8<vc>(value_table, row, j);
-    for (int64_t g = 0; g < G; ++g) {
-      const __m256 w = _mm256_set1_ps(logits[g * n + r] * value_scale[r]);
-      float* acc = a.acc + (head * G + g) * vd + vs.first;
-      for (int64_t j = 0; j < value_vectors; ++j)
-        _mm256_storeu_ps(acc + 8 * j, _mm256_fmadd_ps(w, levels[j], _mm256_loadu_ps(acc + 8 * j)));
-    }
-  }
+  vector_head_with(a, SingleGather<kc>(a.keys[0], key_kinds[0], head), a.keys[0].dim / 8,
+                   SingleGather<vc>(a.values[0], value_kinds[0], head), a.values[0].dim / 8, head);
 }
 
 using VectorHead = void (*)(const DecodeArgs&, const std::vector<VectorSegment>&, const std::vector<VectorSegment>&, int64_t);
@@ -527,16 +522,15 @@ VectorHead vector_head(const std::vector<VectorSegment>& key_kinds, const std::v
 
 // The segments as the vector heads read them, or empty where those do not serve them all (a segment that does not
 // decode 8 channels at a time, segments not side by side, more than kMaxRowVectors vectors).
-std::vector<VectorSegment> vector_segments(const std::vector<CodedTokens>& segments,
-                                           const std::vector<const RowDecoder*>& decoders) {
+std::vector<VectorSegment> vector_segments(const std::vector<CodedTokens>& segments) {
   std::vector<VectorSegment> out;
   int64_t vectors = 0;
   for (size_t s = 0; s < segments.size(); ++s) {
-    const int kind = decoders[s]->vector_kind(segments[s].dim);
+    const int kind = segments[s].decoder->vector_kind(segments[s].dim);
     const bool adjacent = s == 0 || segments[s].first == segments[s - 1].first + segments[s - 1].dim;
     vectors += segments[s].dim / 8;
     if (!kind || !adjacent || vectors > kMaxRowVectors) return {};
-    out.push_back({kind, decoders[s]->vector_table()});
+    out.push_back({kind, segments[s].decoder->vector_table()});
   }
   return out;
 }
@@ -545,20 +539,9 @@ std::vector<VectorSegment> vector_segments(const std::vector<CodedTokens>& segme
 }  // namespace
 
 void decode_attention(const DecodeArgs& a) {
-  std::vector<RowDecoder> built;  // for segments given no decoder (reserved: the pointers below stay valid)
-  built.reserve(a.keys.size() + a.values.size());
-  auto decoders = [&](const std::vector<CodedTokens>& segments) {
-    std::vector<const RowDecoder*> out;
-    for (const CodedTokens& seg : segments) {
-      if (!seg.decoder) built.emplace_back(seg.plan);
-      out.push_back(seg.decoder ? seg.decoder : &built.back());
-    }
-    return out;
-  };
-  const std::vector<const RowDecoder*> keys = decoders(a.keys), values = decoders(a.values);
 #if defined(__x86_64__) || defined(_M_X64)
   if (has_avx2()) {
-    const std::vector<VectorSegment> key_kinds = vector_segments(a.keys, keys), value_kinds = vector_segments(a.values, values);
+    const std::vector<VectorSegment> key_kinds = vector_segments(a.keys), value_kinds = vector_segments(a.values);
     if (!key_kinds.empty() && !value_kinds.empty()) {
       const VectorHead vector = vector_head(key_kinds, value_kinds);
       parallel_for(static_cast<size_t>(a.heads), a.threads, [&](size_t begin, size_t end) {
@@ -573,7 +556,7 @@ void decode_attention(const DecodeArgs& a) {
   if (has_avx2()) head = one_head_avx2;
 #endif
   parallel_for(static_cast<size_t>(a.heads), a.threads, [&](size_t begin, size_t end) {
-    for (size_t h = begin; h < end; ++h) head(a, keys, values, static_cast<int64_t>(h));
+    for (size_t h = begin; h < end; ++h) head(a, static_cast<int64_t>(h));
   });
 }
 

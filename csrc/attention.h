@@ -24,19 +24,18 @@ class RowDecoder;
 // The decoder of `plan`, built once and kept with it (building one costs tens of microseconds).
 std::shared_ptr<const RowDecoder> row_decoder(const Plan& plan);
 
-// The coded tokens of every head in one segment of channels: head h's row r at packed + h * head_stride +
-// r * row_bytes, its scale at scale[h * scale_stride + r]; the plan's channels 0 .. dim - 1 are channels
-// first .. first + dim - 1 of the rotated query (keys) or of the weighted sum (values). A quantizer's codes are one
-// segment; channel groups coded apart (each with its own rotation and scale) are one segment each. `decoder`: the
-// plan's row_decoder, or null (then each call builds one).
+// The coded tokens of every head in one segment of channels, read by `decoder` (the row_decoder of their plan): head
+// h's row r at packed + h * head_stride + r * row_bytes, its scale at scale[h * scale_stride + r]; the plan's
+// channels 0 .. dim - 1 are channels first .. first + dim - 1 of the rotated query (keys) or of the weighted sum
+// (values). A quantizer's codes are one segment; channel groups coded apart (each with its own rotation and scale)
+// are one segment each.
 struct CodedTokens {
-  Plan plan;
+  const RowDecoder* decoder;
   const uint8_t* packed;
   int64_t row_bytes, head_stride;
   const float* scale;
   int64_t scale_stride;
   int64_t first, dim;
-  const RowDecoder* decoder = nullptr;
 };
 
 struct DecodeArgs {

@@ -459,9 +459,9 @@ std::vector<tqvec::CodedTokens> coded_segments(const nb::list& segments, int64_t
             "scales must be (heads, >= n)");
     require(static_cast<int64_t>(codes.shape(2)) > plan.last_byte(), "rows are shorter than their plan reads");
     require(dim > plan.last_channel() && first + dim <= channels, "fewer channels than the plans read");
-    out.push_back({plan.view(), codes.data(), static_cast<int64_t>(codes.shape(2)),
+    out.push_back({plan.decoder(), codes.data(), static_cast<int64_t>(codes.shape(2)),
                    static_cast<int64_t>(codes.shape(1) * codes.shape(2)), scale.data(), static_cast<int64_t>(scale.shape(1)),
-                   first, dim, plan.decoder()});
+                   first, dim});
     first += dim;
   }
   require(!out.empty(), "no coded segments");
