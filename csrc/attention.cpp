@@ -310,7 +310,7 @@ __attribute__((always_inline)) inline void one_head_with(const DecodeArgs& a, in
   const int64_t G = a.group, n = a.n, kd = a.key_dim, vd = a.value_dim;
   std::vector<float> row(static_cast<size_t>(std::max(kd, vd)), 0.0f), logits(static_cast<size_t>(G * n), 0.0f);
   const float* q = a.queries + head * G * kd;
-  const uint8_t* valid = a.valid ? a.valid + (head / a.heads_per_batch) * n : nullptr;
+  const uint8_t* valid = a.valid ? a.valid + (head / a.heads_per_batch) * a.valid_stride : nullptr;
   // A token's segments are decoded side by side into one row (each segment's levels times its scale where there are
   // several), which then meets the G queries in one product over the segments' channels.
   const bool several_keys = a.keys.size() > 1, several_values = a.values.size() > 1;
@@ -456,7 +456,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void vector_head_with(
                                                                                int64_t value_vectors, int64_t head) {
   const int64_t G = a.group, n = a.n, kd = a.key_dim, vd = a.value_dim;
   const float* q = a.queries + head * G * kd + a.keys[0].first;
-  const uint8_t* valid = a.valid ? a.valid + (head / a.heads_per_batch) * n : nullptr;
+  const uint8_t* valid = a.valid ? a.valid + (head / a.heads_per_batch) * a.valid_stride : nullptr;
   std::vector<float> logits(static_cast<size_t>(G * n), 0.0f);
   __m256 levels[kMaxRowVectors];
   for (int64_t r = 0; r < n; ++r) {
@@ -536,16 +536,20 @@ std::vector<VectorSegment> vector_segments(const std::vector<CodedTokens>& segme
 }
 #endif
 
-}  // namespace
-
-void decode_attention(const DecodeArgs& a) {
+// Runs, for every head h (heads in parallel), before(h), then h's coded state (decode_attention's), then after(h).
+template <class Before, class After>
+void for_each_head(const DecodeArgs& a, const Before& before, const After& after) {
 #if defined(__x86_64__) || defined(_M_X64)
   if (has_avx2()) {
     const std::vector<VectorSegment> key_kinds = vector_segments(a.keys), value_kinds = vector_segments(a.values);
     if (!key_kinds.empty() && !value_kinds.empty()) {
       const VectorHead vector = vector_head(key_kinds, value_kinds);
       parallel_for(static_cast<size_t>(a.heads), a.threads, [&](size_t begin, size_t end) {
-        for (size_t h = begin; h < end; ++h) vector(a, key_kinds, value_kinds, static_cast<int64_t>(h));
+        for (auto h = static_cast<int64_t>(begin); h < static_cast<int64_t>(end); ++h) {
+          before(h);
+          vector(a, key_kinds, value_kinds, h);
+          after(h);
+        }
       });
       return;
     }
@@ -556,8 +560,129 @@ void decode_attention(const DecodeArgs& a) {
   if (has_avx2()) head = one_head_avx2;
 #endif
   parallel_for(static_cast<size_t>(a.heads), a.threads, [&](size_t begin, size_t end) {
-    for (size_t h = begin; h < end; ++h) head(a, static_cast<int64_t>(h));
+    for (auto h = static_cast<int64_t>(begin); h < static_cast<int64_t>(end); ++h) {
+      before(h);
+      head(a, h);
+      after(h);
+    }
   });
+}
+
+// out (G, kd) = q (G, d) @ rotation (d, kd).
+void rotate(const float* q, const float* rotation, int64_t G, int64_t d, int64_t kd, float* out) {
+  std::fill(out, out + G * kd, 0.0f);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < d; ++i) {
+      const float x = q[g * d + i];
+      const float* __restrict__ row = rotation + i * kd;
+      float* __restrict__ o = out + g * kd;
+      for (int64_t j = 0; j < kd; ++j) o[j] += x * row[j];
+    }
+}
+
+// One query's logits <q, key - mean> over `part`'s tokens of `head` into `logits` (-inf where masked out); returns
+// their largest (-inf where none is valid).
+__attribute__((always_inline)) inline float exact_logits(const ExactTokens& part, const float* q, float q_mean, int64_t d,
+                                                          const uint8_t* valid, int64_t head, float* logits) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const float* keys = part.keys + head * part.count * d;
+  float top = kNegInf;
+  for (int64_t t = 0; t < part.count; ++t) {
+    logits[t] = valid && !valid[part.first_column + t] ? kNegInf : dot(q, keys + t * d, d) - q_mean;
+    top = std::max(top, logits[t]);
+  }
+  return top;
+}
+
+// acc (d) += exp(logit - top) * value over `part`'s tokens of `head`; returns the sum of those weights.
+__attribute__((always_inline)) inline float exact_values(const ExactTokens& part, const float* logits, float top, int64_t d,
+                                                          int64_t head, float* __restrict__ acc) {
+  const float* values = part.values + head * part.count * d;
+  float total = 0.0f;
+  for (int64_t t = 0; t < part.count; ++t) {
+    const float w = std::exp(logits[t] - top);  // 0 for a masked token
+    total += w;
+    const float* __restrict__ v = values + t * d;
+    for (int64_t c = 0; c < d; ++c) acc[c] += w * v[c];
+  }
+  return total;
+}
+
+// Head `head`'s output (decode_step): the exact tokens' softmax state, merged with the coded tokens' in `a` (their
+// weighted value sum rotated back by value_back, plus the value mean times their weight).
+__attribute__((always_inline)) inline void finish_head_with(const StepArgs& s, const DecodeArgs& a, int64_t head) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int64_t G = a.group, d = s.dim, vd = a.value_dim;
+  const float* back = s.value_back + (head % a.heads_per_batch) * s.value_back_stride;
+  const float* key_mean = s.key_mean + head * d;
+  const float* value_mean = s.value_mean + head * d;
+  const uint8_t* valid = s.valid ? s.valid + (head / a.heads_per_batch) * a.valid_stride : nullptr;
+  std::vector<float> logits(static_cast<size_t>(s.sinks.count + s.window.count)), exact(static_cast<size_t>(d)),
+      coded(static_cast<size_t>(d));
+  float* window_logits = logits.data() + s.sinks.count;
+  for (int64_t g = 0; g < G; ++g) {
+    const float* q = s.queries + (head * G + g) * d;
+    const float q_mean = dot(q, key_mean, d);
+    const float m_e = std::max(exact_logits(s.sinks, q, q_mean, d, valid, head, logits.data()),
+                               exact_logits(s.window, q, q_mean, d, valid, head, window_logits));
+    std::fill(exact.begin(), exact.end(), 0.0f);
+    float l_e = 0.0f;
+    if (m_e != kNegInf) {
+      l_e = exact_values(s.sinks, logits.data(), m_e, d, head, exact.data()) +
+            exact_values(s.window, window_logits, m_e, d, head, exact.data());
+    }
+    const float m_c = a.max[head * G + g], l_c = a.sum[head * G + g];
+    const float* acc = a.acc + (head * G + g) * vd;
+    for (int64_t c = 0; c < d; ++c) coded[c] = l_c * value_mean[c];
+    for (int64_t j = 0; j < vd; ++j) {
+      const float x = acc[j];
+      const float* __restrict__ row = back + j * d;
+      for (int64_t c = 0; c < d; ++c) coded[c] += x * row[c];
+    }
+    const float m = std::max(m_c, m_e), m_safe = std::isinf(m) ? 0.0f : m;
+    const float w_c = std::exp(m_c - m_safe), w_e = std::exp(m_e - m_safe);
+    const float total = w_c * l_c + w_e * l_e, divisor = total > 0.0f ? total : 1.0f;
+    float* out = s.out + (head * G + g) * d;
+    for (int64_t c = 0; c < d; ++c) out[c] = (w_c * coded[c] + w_e * exact[c]) / divisor;
+  }
+}
+
+void finish_head(const StepArgs& s, const DecodeArgs& a, int64_t head) { finish_head_with(s, a, head); }
+
+#if defined(__x86_64__) || defined(_M_X64)
+__attribute__((target("avx2,fma"))) void finish_head_avx2(const StepArgs& s, const DecodeArgs& a, int64_t head) {
+  finish_head_with(s, a, head);
+}
+#else
+void finish_head_avx2(const StepArgs& s, const DecodeArgs& a, int64_t head) { finish_head_with(s, a, head); }
+#endif
+
+}  // namespace
+
+void decode_attention(const DecodeArgs& a) {
+  for_each_head(a, [](int64_t) {}, [](int64_t) {});
+}
+
+void decode_step(const StepArgs& s) {
+  const DecodeArgs& c = s.coded;
+  const int64_t G = c.group, d = s.dim, kd = c.key_dim;
+  std::vector<float> rotated(static_cast<size_t>(c.heads * G * kd)), max(static_cast<size_t>(c.heads * G)),
+      sum(static_cast<size_t>(c.heads * G)), acc(static_cast<size_t>(c.heads * G * c.value_dim));
+  DecodeArgs a = c;
+  a.queries = rotated.data();
+  a.max = max.data();
+  a.sum = sum.data();
+  a.acc = acc.data();
+  a.valid = s.valid ? s.valid + s.sinks.count : nullptr;
+  a.valid_stride = s.sinks.count + c.n + s.window.count;
+  const auto finish = has_avx2() ? finish_head_avx2 : finish_head;
+  for_each_head(
+      a,
+      [&](int64_t head) {
+        const float* rotation = s.key_rotation + (head % c.heads_per_batch) * s.key_rotation_stride;
+        rotate(s.queries + head * G * d, rotation, G, d, kd, rotated.data() + head * G * kd);
+      },
+      [&](int64_t head) { finish(s, a, head); });
 }
 
 }  // namespace tqvec

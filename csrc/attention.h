@@ -1,12 +1,12 @@
-// One decode step of attention over coded tokens (the CPU counterpart of kernels/attention.py's split kernels).
+// One decode step of attention over a compressed KV cache (the CPU counterpart of kernels/attention.py's split
+// kernels): coded tokens, and the tokens kept exactly (the sinks before them, the window after them).
 //
-// For every head, each coded key is decoded once into its levels and met by the G query vectors (already rotated
-// like the keys and scaled by the softmax scaling): logit = key scale * <q, levels>, summed over the key's
-// segments (channel groups coded apart). The softmax weights of those
-// logits then sum the decoded values (weight * value scale * levels). The answer is the online-softmax state over
-// the coded tokens
-// (max logit, sum of exp(logit - max), exp-weighted value sum in the values' rotated coordinates) that the caller
-// merges with the exactly stored tokens.
+// For every head, each coded key is decoded once into its levels and met by the G query vectors (rotated like the
+// keys and scaled by the softmax scaling): logit = key scale * <q, levels>, summed over the key's segments (channel
+// groups coded apart). The softmax weights of those logits then sum the decoded values (weight * value scale *
+// levels): the online-softmax state over the coded tokens (max logit, sum of exp(logit - max), exp-weighted value
+// sum in the values' rotated coordinates). decode_step then rotates that sum back, adds the value mean, and merges it
+// with the exact tokens' softmax (logit = <q, key - key mean>).
 #pragma once
 
 #include <cstdint>
@@ -42,7 +42,8 @@ struct DecodeArgs {
   std::vector<CodedTokens> keys, values;  // segments: a token's logit sums its key segments' scale * <q, levels>
   const float* queries;       // (heads, group, key_dim): rotated, scaled queries
   int64_t heads, group, key_dim, value_dim, n;
-  const uint8_t* valid;       // (heads / heads_per_batch, n): 0 masks a token out; null: all valid
+  const uint8_t* valid;       // (heads / heads_per_batch) rows of valid_stride, n read: 0 masks a token out; null: all valid
+  int64_t valid_stride;
   int64_t heads_per_batch;
   int threads;
   float* max;                 // (heads, group): -inf where no token is valid
@@ -50,6 +51,33 @@ struct DecodeArgs {
   float* acc;                 // (heads, group, value_dim)
 };
 
+// The online-softmax state of a.queries over the coded tokens, into a.max, a.sum and a.acc.
 void decode_attention(const DecodeArgs& a);
+
+// Tokens of every head kept exactly: head h's keys and values (count, dim) float32 at keys / values + h * count * dim;
+// their validity at columns first_column .. first_column + count - 1 of the validity rows.
+struct ExactTokens {
+  const float* keys;
+  const float* values;
+  int64_t count, first_column;
+};
+
+struct StepArgs {
+  DecodeArgs coded;           // the coded tokens; decode_step fills in its queries, valid, max, sum and acc
+  const float* queries;       // (heads, group, dim): scaled by the softmax scaling, not rotated
+  int64_t dim;
+  const float* key_rotation;  // (dim, key_dim) of head h at + (h % heads_per_batch) * key_rotation_stride (0: shared)
+  int64_t key_rotation_stride;
+  const float* value_back;    // (value_dim, dim) from the values' rotated channels, likewise per head
+  int64_t value_back_stride;
+  const float* key_mean;      // (heads, dim)
+  const float* value_mean;    // (heads, dim)
+  ExactTokens sinks, window;  // validity columns: sinks, then the coded tokens, then the window
+  const uint8_t* valid;       // (heads / heads_per_batch, sinks + n + window): 0 masks a token out; null: all valid
+  float* out;                 // (heads, group, dim): the attention output, 0 where no token is valid
+};
+
+// One decode step: the coded tokens' state (decode_attention) merged with the exact tokens'.
+void decode_step(const StepArgs& s);
 
 }  // namespace tqvec

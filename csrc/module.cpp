@@ -16,6 +16,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention.h"
@@ -468,35 +469,67 @@ std::vector<tqvec::CodedTokens> coded_segments(const nb::list& segments, int64_t
   return out;
 }
 
-// One decode step of attention over coded tokens (see attention.h). key_segments / value_segments: lists of
-// (plan, codes (heads, capacity, row_bytes), scales (heads, >= n), dim) whose dims lie side by side in the queries'
-// and values' rotated channels; tokens [0, n) are read; queries: (heads, group, key_dim) rotated and scaled; valid:
-// (heads / heads_per_batch, n) uint8 or empty. Returns (max, sum) (heads, group) and acc (heads * group, value_dim),
-// float32.
-nb::tuple decode_attention(const nb::list& key_segments, const nb::list& value_segments, Array<float, nb::ndim<3>> queries,
-                           int64_t value_dim, int64_t n, Array<uint8_t> valid, int64_t heads_per_batch, int threads) {
+// A (dim, width) matrix shared by all heads, or one per head of a batch (heads_per_batch, dim, width): its data and
+// the stride from one head's to the next (0 where shared).
+std::pair<const float*, int64_t> per_head_matrix(const Array<float>& m, int64_t heads_per_batch, int64_t dim,
+                                                 int64_t width, const char* message) {
+  const bool shared = m.ndim() == 2 && static_cast<int64_t>(m.shape(0)) == dim && static_cast<int64_t>(m.shape(1)) == width;
+  const bool per_head = m.ndim() == 3 && static_cast<int64_t>(m.shape(0)) == heads_per_batch &&
+                        static_cast<int64_t>(m.shape(1)) == dim && static_cast<int64_t>(m.shape(2)) == width;
+  require(shared || per_head, message);
+  return {m.data(), shared ? 0 : dim * width};
+}
+
+// Tokens kept exactly (see attention.h): keys and values (heads, count, dim).
+tqvec::ExactTokens exact_tokens(const Array<float, nb::ndim<3>>& keys, const Array<float, nb::ndim<3>>& values, int64_t heads,
+                                int64_t dim, int64_t first_column) {
+  require(static_cast<int64_t>(keys.shape(0)) == heads && static_cast<int64_t>(keys.shape(2)) == dim &&
+              keys.shape(0) == values.shape(0) && keys.shape(1) == values.shape(1) && keys.shape(2) == values.shape(2),
+          "exact keys and values must both be (heads, count, dim)");
+  return {keys.data(), values.data(), static_cast<int64_t>(keys.shape(1)), first_column};
+}
+
+// One decode step of attention (see attention.h). key_segments / value_segments: lists of (plan, codes (heads,
+// capacity, row_bytes), scales (heads, >= n), dim) whose dims lie side by side in the keys' and values' rotated
+// channels (key_dim and value_dim in all); tokens [0, n) are read; queries: (heads, group, dim) scaled, not rotated;
+// key_rotation (dim, key_dim) and value_back (value_dim, dim), or one per head of a batch; key_mean, value_mean
+// (heads, dim); sinks and window (heads, count, dim); valid: (heads / heads_per_batch, sinks + n + window) uint8 or
+// empty. Returns the output (heads * group, dim) float32.
+nb::ndarray<nb::numpy, float, nb::ndim<2>> decode_step(
+    const nb::list& key_segments, const nb::list& value_segments, Array<float, nb::ndim<3>> queries, Array<float> key_rotation,
+    Array<float> value_back, int64_t key_dim, int64_t value_dim, int64_t n, Array<float, nb::ndim<2>> key_mean,
+    Array<float, nb::ndim<2>> value_mean, Array<float, nb::ndim<3>> sink_keys, Array<float, nb::ndim<3>> sink_values,
+    Array<float, nb::ndim<3>> window_keys, Array<float, nb::ndim<3>> window_values, Array<uint8_t> valid,
+    int64_t heads_per_batch, int threads) {
   const int64_t heads = static_cast<int64_t>(queries.shape(0)), group = static_cast<int64_t>(queries.shape(1));
-  const int64_t key_dim = static_cast<int64_t>(queries.shape(2));
+  const int64_t dim = static_cast<int64_t>(queries.shape(2));
   require(n >= 0 && heads_per_batch >= 1 && heads % heads_per_batch == 0, "bad token count or heads per batch");
-  require(valid.size() == 0 || static_cast<int64_t>(valid.size()) == heads / heads_per_batch * n,
-          "valid must be (batches, n)");
+  const auto [rotation, rotation_stride] =
+      per_head_matrix(key_rotation, heads_per_batch, dim, key_dim, "key_rotation must be (dim, key_dim) or one per head");
+  const auto [back, back_stride] =
+      per_head_matrix(value_back, heads_per_batch, value_dim, dim, "value_back must be (value_dim, dim) or one per head");
+  for (const auto* mean : {&key_mean, &value_mean})
+    require(static_cast<int64_t>(mean->shape(0)) == heads && static_cast<int64_t>(mean->shape(1)) == dim,
+            "means must be (heads, dim)");
+  const tqvec::ExactTokens sinks = exact_tokens(sink_keys, sink_values, heads, dim, 0);
+  const tqvec::ExactTokens window = exact_tokens(window_keys, window_values, heads, dim, sinks.count + n);
+  require(valid.size() == 0 || static_cast<int64_t>(valid.size()) == heads / heads_per_batch * (window.first_column + window.count),
+          "valid must be (batches, sinks + n + window)");
   std::vector<Array<uint8_t, nb::ndim<3>>> codes_kept;
   std::vector<Array<float, nb::ndim<2>>> scales_kept;
   auto keys = coded_segments(key_segments, heads, n, key_dim, codes_kept, scales_kept);
   auto values = coded_segments(value_segments, heads, n, value_dim, codes_kept, scales_kept);
-  auto* max = new float[static_cast<size_t>(heads * group)];
-  auto* sum = new float[static_cast<size_t>(heads * group)];
-  auto* acc = new float[static_cast<size_t>(heads * group * value_dim)];
-  auto out_max = owned(max, heads, group);
-  auto out_sum = owned(sum, heads, group);
-  auto out_acc = owned(acc, heads * group, value_dim);
-  const tqvec::DecodeArgs args{std::move(keys), std::move(values), queries.data(), heads, group, key_dim, value_dim, n,
-                               optional_data(valid), heads_per_batch, threads, max, sum, acc};
+  auto* out = new float[static_cast<size_t>(heads * group * dim)];
+  auto result = owned(out, heads * group, dim);
+  const tqvec::StepArgs args{{std::move(keys), std::move(values), nullptr, heads, group, key_dim, value_dim, n, nullptr, 0,
+                              heads_per_batch, threads, nullptr, nullptr, nullptr},
+                             queries.data(), dim, rotation, rotation_stride, back, back_stride, key_mean.data(),
+                             value_mean.data(), sinks, window, optional_data(valid), out};
   {
     nb::gil_scoped_release release;
-    tqvec::decode_attention(args);
+    tqvec::decode_step(args);
   }
-  return nb::make_tuple(out_max, out_sum, out_acc);
+  return result;
 }
 
 }  // namespace
@@ -526,8 +559,10 @@ NB_MODULE(_native, m) {
   m.def("search_queries", &search_queries, nb::arg("plan"), nb::arg("rows"), nb::arg("prep"), nb::arg("queries"),
         nb::arg("ids"), nb::arg("l2"), nb::arg("n_probe"), nb::arg("k"), nb::arg("rescore"), nb::arg("confidence"),
         nb::arg("threads"), nb::arg("max_isa"));
-  m.def("decode_attention", &decode_attention, nb::arg("key_segments"), nb::arg("value_segments"), nb::arg("queries"),
-        nb::arg("value_dim"), nb::arg("n"), nb::arg("valid"), nb::arg("heads_per_batch"), nb::arg("threads"));
+  m.def("decode_step", &decode_step, nb::arg("key_segments"), nb::arg("value_segments"), nb::arg("queries"),
+        nb::arg("key_rotation"), nb::arg("value_back"), nb::arg("key_dim"), nb::arg("value_dim"), nb::arg("n"),
+        nb::arg("key_mean"), nb::arg("value_mean"), nb::arg("sink_keys"), nb::arg("sink_values"), nb::arg("window_keys"),
+        nb::arg("window_values"), nb::arg("valid"), nb::arg("heads_per_batch"), nb::arg("threads"));
   m.def("has_avx2", &tqvec::has_avx2, "True when this CPU runs the AVX2 kernel.");
   m.def("has_avx512", &tqvec::has_avx512, "True when this CPU runs the AVX-512 kernel.");
   m.def("has_avx512_vnni", &tqvec::has_avx512_vnni, "True when this CPU runs the int8 batch kernel (AVX-512 VNNI).");

@@ -1,8 +1,8 @@
-"""The native CPU decode attention (tqvec._fastscan.decode_attention) against the torch path of tqvec.scan.attend.
+"""The native CPU decode attention (tqvec._fastscan.decode_step) against the torch path of tqvec.scan.attend.
 
-Both compute the same softmax over the same coded tokens (the native kernel with exact float tables and value
-histograms, torch by decoding the codes): outputs agree to float32 rounding of sums over the context
-(tolerance 1e-4 relative to the output's scale).
+Both compute the same softmax over the same coded and exact tokens (the native kernel with exact float tables,
+torch by decoding the codes): outputs agree to float32 rounding of sums over the context (tolerance 1e-4 relative to
+the output's scale).
 """
 from __future__ import annotations
 
@@ -73,18 +73,48 @@ def test_native_decode_attention_masks_tokens(bits: float) -> None:
     assert not torch.allclose(reference, unmasked, atol=1e-3)  # the mask changed the answer
 
 
+def _native_step(step: scan.DecodeAttention, **change) -> torch.Tensor:
+    """:func:`_fastscan.decode_step` on ``step``'s tensors, with ``change`` replacing some of its arguments."""
+    segments = lambda parts: [(c.packed, c.scale, c.table.native_plan(), c.table.layout.dim) for c in parts]  # noqa: E731
+    args = {"queries": step.queries.float() * step.scaling, "key_rotation": step.key_rotation,
+            "value_back": step.value_back, "keys": segments(step.key_parts), "values": segments(step.value_parts),
+            "n": step.n_codes, "key_mean": step.key_mean, "value_mean": step.value_mean,
+            "sinks": (step.sink_keys, step.sink_values), "window": (step.window_keys, step.window_values),
+            "valid": step.valid}
+    return _fastscan.decode_step(**{**args, **change})
+
+
 def test_native_decode_attention_rejects_bad_shapes() -> None:
     step = _step(4, batch=1, context=50, window=4, seed=5)
     plan = step.keys.table.native_plan()
-    q = torch.zeros(1, KV_HEADS, 3, HEAD_DIM)
     keys = [(step.keys.packed, step.keys.scale, plan, HEAD_DIM)]
-    values = [(step.values.packed, step.values.scale, plan, HEAD_DIM)]
+    assert torch.allclose(_native_step(step), _both(step)[0], atol=1e-5)
     with pytest.raises(ValueError, match="scales must be"):
-        _fastscan.decode_attention(q, [(step.keys.packed, step.keys.scale[:, :, :5], plan, HEAD_DIM)], values, 10, None)
+        _native_step(step, keys=[(step.keys.packed, step.keys.scale[:, :, :5], plan, HEAD_DIM)], n=10)
     with pytest.raises(ValueError, match="codes must be"):
-        _fastscan.decode_attention(q, keys, values, step.keys.packed.shape[2] + 1, None)
-    with pytest.raises(ValueError, match="fewer channels"):  # two segments of HEAD_DIM channels: wider than the queries
-        _fastscan.decode_attention(q, keys * 2, values, 10, None)
+        _native_step(step, n=step.keys.packed.shape[2] + 1)
+    with pytest.raises(ValueError, match="fewer channels"):  # two segments of HEAD_DIM channels: wider than the rotation
+        _native_step(step, keys=keys * 2)
+    with pytest.raises(ValueError, match="key_rotation must be"):
+        _native_step(step, key_rotation=step.key_rotation[:32])
+    with pytest.raises(ValueError, match="value_back must be"):
+        _native_step(step, value_back=step.value_back.expand(3, -1, -1))
+    with pytest.raises(ValueError, match="means must be"):
+        _native_step(step, key_mean=step.key_mean[:, :, :8])
+    with pytest.raises(ValueError, match="exact keys and values"):
+        _native_step(step, window=(step.window_keys, step.window_values[:, :, :1]))
+    with pytest.raises(ValueError, match="valid must be"):
+        _native_step(step, valid=torch.ones(1, 3, dtype=torch.bool))
+
+
+def test_native_decode_attention_masks_every_token_to_zero() -> None:
+    """A batch row with every token masked (coded and exact) gets a zero output, as in the torch path."""
+    step = _step(4, batch=2, context=100, window=8, seed=7)
+    valid = torch.ones(2, step.sink_keys.shape[2] + step.n_codes + step.window_keys.shape[2], dtype=torch.bool)
+    valid[1] = False
+    reference, native = _both(scan.DecodeAttention(**{**step.__dict__, "valid": valid}))
+    assert torch.equal(native[1], torch.zeros_like(native[1])) and torch.equal(reference[1], native[1])
+    assert native[0].abs().sum() > 0
 
 
 @pytest.mark.parametrize("bits", [2.5, 3.5])
@@ -112,8 +142,8 @@ def test_grouped_decode_step_equals_the_per_head_reference(bits: float) -> None:
 @pytest.mark.parametrize("dim,bits", [(64, 2.5), (37, 3), (45, 2.5), (40, 3.5)])
 def test_native_decode_attention_reads_mixed_and_partial_three_bit_layouts(dim: int, bits: float) -> None:
     """One plan that mixes 3-bit codes (decoded 8 channels per 3 bytes) with others (a fractional rate in one
-    quantizer), and 3-bit channels past the last whole group of 8: the native state equals the one computed from the
-    decoded levels."""
+    quantizer), and 3-bit channels past the last whole group of 8: the native output equals the softmax over the
+    decoded levels (no rotation, no exact tokens)."""
     quantizer = TurboQuantizer(dim, bits, seed=3)
     gen = torch.Generator().manual_seed(5)
     heads, group, n = 2, 3, 50
@@ -123,10 +153,10 @@ def test_native_decode_attention_reads_mixed_and_partial_three_bit_layouts(dim: 
     scale = torch.rand(1, heads, n, generator=gen) + 0.5
     queries = torch.randn(1, heads, group, width, generator=gen)
     segments = [(packed, scale, table.native_plan(), width)]
-    top, total, acc = _fastscan.decode_attention(queries, segments, segments, n, None)
+    identity, zeros, none = torch.eye(width), torch.zeros(1, heads, width), torch.zeros(1, heads, 0, width)
+    out = _fastscan.decode_step(queries, identity, identity, segments, segments, n, zeros, zeros, (none, none),
+                                (none, none), None)
     levels = scan.dequantize(codes.packed, table).view(1, heads, n, width)
     logits = queries @ levels.transpose(2, 3) * scale[:, :, None, :]
-    weights = torch.exp(logits - logits.amax(-1, keepdim=True))
-    assert torch.allclose(top, logits.amax(-1), rtol=1e-5, atol=1e-5)
-    assert torch.allclose(total, weights.sum(-1), rtol=1e-5, atol=1e-5)
-    assert torch.allclose(acc, weights @ (levels * scale[..., None]), rtol=1e-4, atol=1e-4)
+    weights = torch.softmax(logits, -1)
+    assert torch.allclose(out, weights @ (levels * scale[..., None]), rtol=1e-4, atol=1e-4)

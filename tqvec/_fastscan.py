@@ -18,8 +18,8 @@ batch's queries, 8-bit products of 16 queries at a time (on AMX tiles where the 
 ``rescore`` rows re-scored exactly.
 QJL signs (``mode="prod"``) are not served: the torch path runs.
 
-:func:`decode_attention` runs one decode step of attention over coded KV-cache tokens (``csrc/attention.cpp``) for
-:func:`tqvec.scan.attend` on the CPU.
+:func:`decode_step` runs one decode step of attention over a compressed KV cache (coded tokens and the tokens kept
+exactly, ``csrc/attention.cpp``) for :func:`tqvec.scan.attend` on the CPU.
 
 Which kernel runs: :func:`set_cpu_kernel` (``"auto"``, ``"native"``, ``"torch"``; default from the environment
 variable ``TQVEC_CPU_KERNEL``, else ``"auto"``). Threads: ``torch.get_num_threads()`` at call time, from a pool
@@ -343,45 +343,67 @@ def pad_results(distances: np.ndarray, labels: np.ndarray, k: int, l2: bool) -> 
             np.concatenate([labels, np.full((len(labels), pad), -1, np.int64)], 1))
 
 
-#: one channel segment of coded tokens for :func:`decode_attention`: (codes, scale, plan, rotated channels)
+#: one channel segment of coded tokens for :func:`decode_step`: (codes, scale, plan, rotated channels)
 CodedSegment = tuple[torch.Tensor, torch.Tensor, Plan, int]
+#: tokens kept exactly for :func:`decode_step`: (keys, values), each ``(b, h, count, head_dim)``
+ExactTokens = tuple[torch.Tensor, torch.Tensor]
 
 
-def decode_attention(queries: torch.Tensor, keys: Sequence[CodedSegment], values: Sequence[CodedSegment], n: int,
-                     valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The online-softmax state of one decode step over coded tokens, natively (exact float tables).
+def decode_step(queries: torch.Tensor, key_rotation: torch.Tensor, value_back: torch.Tensor, keys: Sequence[CodedSegment],
+                values: Sequence[CodedSegment], n: int, key_mean: torch.Tensor, value_mean: torch.Tensor,
+                sinks: ExactTokens, window: ExactTokens, valid: torch.Tensor | None) -> torch.Tensor:
+    """One decode step of attention over a compressed KV cache, natively: ``n`` coded tokens between the sinks and
+    the window, which are kept exactly.
+
+    The queries are rotated like the keys; a coded token's logit is the sum over its key segments of scale · ⟨query
+    channels of the segment, levels⟩ (exact float tables), an exact token's ⟨query, key − key_mean⟩. One softmax
+    over all of them weights the values: the coded tokens' scale · levels rotated back by ``value_back`` plus
+    ``value_mean``, the exact tokens' values as they are.
 
     Parameters
     ----------
-    queries : (b, h, G, D) float32
-        Rotated like the keys and scaled by the softmax scaling.
+    queries : (b, h, G, head_dim) float32
+        The G query heads of each KV head, scaled by the softmax scaling, not rotated.
+    key_rotation : (head_dim, key_dim) or (h, head_dim, key_dim) float32
+        Into the keys' rotated channels (one per KV head where they differ).
+    value_back : (value_dim, head_dim) or (h, value_dim, head_dim) float32
+        Out of the values' rotated channels.
     keys, values : sequences of (codes, scale, plan, dim)
-        Channel segments side by side from channel 0 (a quantizer's codes are one segment; channel groups coded apart
-        one each): ``codes`` ``(b, h, capacity, row_bytes)`` uint8 read by ``plan``, of which tokens ``[0, n)`` are
-        read, ``scale`` ``(b, h, ≥ n)`` per-token multipliers, ``dim`` the segment's rotated channels. A token's
-        logit is the sum over its key segments of scale · ⟨query channels of the segment, levels⟩.
-    valid : (b, n) bool, optional
-        False masks a coded token out.
+        Channel segments side by side from rotated channel 0 (a quantizer's codes are one segment; channel groups
+        coded apart one each; ``key_dim`` / ``value_dim`` are the sums of their ``dim``): ``codes`` ``(b, h,
+        capacity, row_bytes)`` uint8 read by ``plan``, of which tokens ``[0, n)`` are read, ``scale`` ``(b, h, ≥ n)``.
+    key_mean, value_mean : (b, h, head_dim) float32
+        Subtracted from the keys before coding (the exact tokens' logits subtract it too), added back to the values.
+    sinks, window : (keys, values), each (b, h, count, head_dim)
+        Tokens kept exactly before and after the coded ones (converted to float32).
+    valid : (b, sinks + n + window) bool, optional
+        False masks a token out.
 
     Returns
     -------
-    (max, sum, acc)
-        ``(b, h, G)`` largest logit (−inf where none is valid), ``(b, h, G)`` Σ exp(logit − max) and ``(b, h, G,
-        value_dim)`` the exp-weighted sum of scale · levels of the value segments (``value_dim`` the sum of their
-        ``dim``), float32.
+    (b, h, G, head_dim) float32
+        The attention output; 0 for a query with no valid token.
 
     Raises
     ------
     ValueError
-        When the shapes do not fit (codes or scales shorter than ``n``, segments wider than the queries).
+        When the shapes do not fit (codes or scales shorter than ``n``, segments wider than the rotations, a
+        rotation, mean, exact part or mask of the wrong shape).
+
+    Examples
+    --------
+    >>> from tqvec.kv.attention import decode_step as step_of   # doctest: +SKIP
+    >>> a = step_of(handle, query, None, 0.125)                 # doctest: +SKIP
+    >>> out = scan.attend(a)                                    # doctest: +SKIP  (calls this on the CPU)
     """
-    b, h, group, _ = queries.shape
+    b, h, group, dim = queries.shape
     heads = lambda t: _array(t.reshape(b * h, *t.shape[2:]), np.uint8 if t.dtype == torch.uint8 else np.float32)  # noqa: E731
     segments = lambda parts: [(plan.handle, heads(codes), heads(scale[:, :, :n].float()), int(dim))  # noqa: E731
                               for codes, scale, plan, dim in parts]
-    value_dim = sum(int(dim) for *_, dim in values)
-    m, total, acc = _native.decode_attention(
-        segments(keys), segments(values), _array(queries.reshape(b * h, group, -1), np.float32), value_dim, n,
+    exact = lambda t: heads(t.float())  # noqa: E731
+    out = _native.decode_step(
+        segments(keys), segments(values), _array(queries.reshape(b * h, group, dim), np.float32),
+        _array(key_rotation, np.float32), _array(value_back, np.float32), key_rotation.shape[-1], value_back.shape[-2],
+        n, heads(key_mean), heads(value_mean), exact(sinks[0]), exact(sinks[1]), exact(window[0]), exact(window[1]),
         _array(None if valid is None else valid.to(torch.uint8), np.uint8), h, torch.get_num_threads())
-    as_tensor = lambda x, *shape: torch.from_numpy(x).view(*shape)  # noqa: E731
-    return as_tensor(m, b, h, group), as_tensor(total, b, h, group), as_tensor(acc, b, h, group, value_dim)
+    return torch.from_numpy(out).view(b, h, group, dim)

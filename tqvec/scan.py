@@ -338,12 +338,8 @@ def _softmax_merge(state: tuple[torch.Tensor, ...], logits: torch.Tensor, values
 
 def _coded_state(a: DecodeAttention, q_rot: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """The online-softmax state ``(max, sum, acc)`` of the rotated, scaled queries ``q_rot`` ``(b, h, G, D)`` over the
-    coded tokens (``valid`` ``(b, n_codes)`` or None): the native kernel for CPU tensors where it is built and not
-    switched off (:func:`tqvec._fastscan.set_cpu_kernel`), else torch in blocks of ``BLOCK_ROWS`` code rows over all
-    heads (tensors on other devices too: the kernel tests' reference on CUDA)."""
-    segments = lambda parts: [(c.packed, c.scale, c.table.native_plan(), c.table.layout.dim) for c in parts]  # noqa: E731
-    if _fastscan.available() and _fastscan.cpu_kernel() != "torch" and a.n_codes and q_rot.device.type == "cpu":
-        return _fastscan.decode_attention(q_rot, segments(a.key_parts), segments(a.value_parts), a.n_codes, valid)
+    coded tokens (``valid`` ``(b, n_codes)`` or None), in torch, in blocks of ``BLOCK_ROWS`` code rows over all heads
+    (tensors on any device: the kernel tests' reference on CUDA)."""
     b, h, G, _ = q_rot.shape
     value_dim = sum(c.table.layout.dim for c in a.value_parts)
     state = (q_rot.new_full((b, h, G), float("-inf")), q_rot.new_zeros((b, h, G)), q_rot.new_zeros((b, h, G, value_dim)))
@@ -365,9 +361,18 @@ def _coded_state(a: DecodeAttention, q_rot: torch.Tensor, valid: torch.Tensor | 
     return state
 
 
+def _attend_native(a: DecodeAttention) -> torch.Tensor:
+    """:func:`attend` by the native kernel (:func:`tqvec._fastscan.decode_step`)."""
+    segments = lambda parts: [(c.packed, c.scale, c.table.native_plan(), c.table.layout.dim) for c in parts]  # noqa: E731
+    out = _fastscan.decode_step(a.queries.float() * a.scaling, a.key_rotation, a.value_back, segments(a.key_parts),
+                                segments(a.value_parts), a.n_codes, a.key_mean, a.value_mean,
+                                (a.sink_keys, a.sink_values), (a.window_keys, a.window_values), a.valid)
+    return out.to(a.queries.dtype)
+
+
 def _attend_torch(a: DecodeAttention) -> torch.Tensor:
-    """CPU path of :func:`attend`: the coded tokens' softmax state (:func:`_coded_state`), merged with the exact
-    tokens'."""
+    """:func:`attend` in torch (the native kernel's reference, and its fallback): the coded tokens' softmax state
+    (:func:`_coded_state`), merged with the exact tokens'."""
     q = a.queries.float() * a.scaling
     q_rot = q @ a.key_rotation
     valid = a.valid
@@ -394,8 +399,9 @@ def _attend_torch(a: DecodeAttention) -> torch.Tensor:
 def attend(a: DecodeAttention) -> torch.Tensor:
     """Attention output ``(b, h, G, head_dim)`` (``queries``' dtype) of one decode step over coded and exact tokens.
 
-    torch on CPU (blockwise, bounded memory); the split-sequence Triton kernels of
-    :mod:`tqvec.kernels.attention` on CUDA.
+    On the CPU the native kernel (:func:`tqvec._fastscan.decode_step`) where it is built and not switched off
+    (:func:`tqvec._fastscan.set_cpu_kernel`), else torch (blockwise, bounded memory); the split-sequence Triton
+    kernels of :mod:`tqvec.kernels.attention` on CUDA.
     """
     window = 0 if a.ring is not None else a.window_keys.shape[2]
     if a.valid is not None and a.valid.shape != (a.queries.shape[0], a.sink_keys.shape[2] + a.n_codes + window):
@@ -408,4 +414,6 @@ def attend(a: DecodeAttention) -> torch.Tensor:
         from .kernels import attention  # noqa: PLC0415 - Triton is optional and CUDA-only
 
         return attention.decode_attention(a)
+    if _fastscan.available() and _fastscan.cpu_kernel() != "torch" and a.queries.device.type == "cpu":
+        return _attend_native(a)
     return _attend_torch(a)
