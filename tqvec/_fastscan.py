@@ -392,9 +392,18 @@ def decode_step(queries: torch.Tensor, key_rotation: torch.Tensor, value_back: t
 
     Examples
     --------
-    >>> from tqvec.kv.attention import decode_step as step_of   # doctest: +SKIP
-    >>> a = step_of(handle, query, None, 0.125)                 # doctest: +SKIP
-    >>> out = scan.attend(a)                                    # doctest: +SKIP  (calls this on the CPU)
+    Two heads of ten 4-bit tokens, three queries each, no rotation and no exact tokens:
+
+    >>> import torch
+    >>> from tqvec import TurboQuantizer
+    >>> tq = TurboQuantizer(64, 4, seed=0)
+    >>> codes = tq.encode(torch.randn(20, 64))
+    >>> coded = [(codes.packed.view(1, 2, 10, -1), codes.scales.view(1, 2, 10), tq.table("cpu").native_plan(), 64)]
+    >>> eye, mean, none = torch.eye(64), torch.zeros(1, 2, 64), torch.zeros(1, 2, 0, 64)
+    >>> out = decode_step(torch.randn(1, 2, 3, 64), eye, eye, coded, coded, 10, mean, mean, (none, none),
+    ...                   (none, none), None)
+    >>> out.shape
+    torch.Size([1, 2, 3, 64])
     """
     b, h, group, dim = queries.shape
     heads = lambda t: _array(t.reshape(b * h, *t.shape[2:]), np.uint8 if t.dtype == torch.uint8 else np.float32)  # noqa: E731
