@@ -446,6 +446,25 @@ struct SingleGather {
   }
 };
 
+
+// Token r's levels of one head over two segments of kinds k1 and k2 known at compile time, each times its own scale:
+// the scale still due is 1.
+template <int k1, int k2>
+struct PairGather {
+  SingleGather<k1> first;
+  SingleGather<k2> second;
+
+  __attribute__((target("avx2,fma"), always_inline)) float operator()(int64_t r, __m256* levels) const {
+    const __m256 f1 = _mm256_set1_ps(first.scale[r]), f2 = _mm256_set1_ps(second.scale[r]);
+    const uint8_t* row1 = first.rows + r * first.row_bytes;
+    const uint8_t* row2 = second.rows + r * second.row_bytes;
+    for (int64_t j = 0; j < first.vectors; ++j) levels[j] = _mm256_mul_ps(levels8<k1>(first.table, row1, j), f1);
+    levels += first.vectors;
+    for (int64_t j = 0; j < second.vectors; ++j) levels[j] = _mm256_mul_ps(levels8<k2>(second.table, row2, j), f2);
+    return 1.0f;
+  }
+};
+
 // One head's online-softmax state where each side's segments decode 8 channels at a time (RowDecoder::vector_kind;
 // side by side from the first segment's channel, at most 8 * kMaxRowVectors channels a side): `keys` / `values`
 // gather a token's `key_vectors` / `value_vectors` levels into registers and return the scale still due, and they
@@ -477,7 +496,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void vector_head_with(
   }
 }
 
-// vector_head_with for several segments on some side, their kinds read at run time (one switch per segment).
+// vector_head_with for any other segments, their kinds read at run time (one switch per segment).
 __attribute__((target("avx2,fma"))) void one_head_vectors_avx2(const DecodeArgs& a, const std::vector<VectorSegment>& key_kinds,
                                                                const std::vector<VectorSegment>& value_kinds, int64_t head) {
   int64_t key_vectors = 0, value_vectors = 0;
@@ -495,6 +514,17 @@ __attribute__((target("avx2,fma"))) void one_head_single_avx2(const DecodeArgs& 
                    SingleGather<vc>(a.values[0], value_kinds[0], head), a.values[0].dim / 8, head);
 }
 
+
+// vector_head_with for two segments a side, keys and values of the same kinds k1, k2 known at compile time.
+template <int k1, int k2>
+__attribute__((target("avx2,fma"))) void one_head_pair_avx2(const DecodeArgs& a, const std::vector<VectorSegment>& key_kinds,
+                                                            const std::vector<VectorSegment>& value_kinds, int64_t head) {
+  const PairGather<k1, k2> keys{SingleGather<k1>(a.keys[0], key_kinds[0], head), SingleGather<k2>(a.keys[1], key_kinds[1], head)};
+  const PairGather<k1, k2> values{SingleGather<k1>(a.values[0], value_kinds[0], head),
+                                  SingleGather<k2>(a.values[1], value_kinds[1], head)};
+  vector_head_with(a, keys, (a.keys[0].dim + a.keys[1].dim) / 8, values, (a.values[0].dim + a.values[1].dim) / 8, head);
+}
+
 using VectorHead = void (*)(const DecodeArgs&, const std::vector<VectorSegment>&, const std::vector<VectorSegment>&, int64_t);
 
 // one_head_single_avx2 for value kind vc and key kind `kc`.
@@ -508,8 +538,35 @@ VectorHead single_head(int kc) {
   }
 }
 
-// The head function for these segment kinds: one_head_single_avx2 for one segment a side, else one_head_vectors_avx2.
+
+// one_head_pair_avx2 for second kind k2 and first kind `k1`.
+template <int k2>
+VectorHead pair_head(int k1) {
+  switch (k1) {
+    case 8: return one_head_pair_avx2<8, k2>;
+    case 4: return one_head_pair_avx2<4, k2>;
+    case 3: return one_head_pair_avx2<3, k2>;
+    default: return one_head_pair_avx2<2, k2>;
+  }
+}
+
+// The head function for these segment kinds: one_head_single_avx2 for one segment a side, one_head_pair_avx2 for two
+// of the same kinds a side (fractional rates), else one_head_vectors_avx2.
 VectorHead vector_head(const std::vector<VectorSegment>& key_kinds, const std::vector<VectorSegment>& value_kinds) {
+  const auto kinds = [](const std::vector<VectorSegment>& side) {
+    std::vector<int> out;
+    for (const VectorSegment& seg : side) out.push_back(seg.kind);
+    return out;
+  };
+  if (key_kinds.size() == 2 && kinds(key_kinds) == kinds(value_kinds)) {
+    const int k1 = key_kinds[0].kind;
+    switch (key_kinds[1].kind) {
+      case 8: return pair_head<8>(k1);
+      case 4: return pair_head<4>(k1);
+      case 3: return pair_head<3>(k1);
+      default: return pair_head<2>(k1);
+    }
+  }
   if (key_kinds.size() != 1 || value_kinds.size() != 1) return one_head_vectors_avx2;
   const int kc = key_kinds[0].kind;
   switch (value_kinds[0].kind) {

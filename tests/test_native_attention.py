@@ -51,11 +51,12 @@ def test_native_decode_attention_equals_torch(bits: float) -> None:
     assert torch.allclose(native, reference, rtol=0, atol=1e-4 * reference.abs().max().item())
 
 
-@pytest.mark.parametrize("key_bits,value_bits", [(4, 1), (1, 2), (2, 4), (4, 3)])
-def test_native_decode_attention_mixes_key_and_value_widths(key_bits: int, value_bits: int) -> None:
-    """Keys and values of different widths (each byte one look-up of 2, 4 or 8 levels, or 3-bit codes across bytes)
+@pytest.mark.parametrize("key_bits,value_bits", [(4, 1), (1, 2), (2, 4), (4, 3), (2.5, 3.5), (3.5, 4)])
+def test_native_decode_attention_mixes_key_and_value_widths(key_bits: float, value_bits: float) -> None:
+    """Keys and values of different widths (each byte one look-up of 2, 4 or 8 levels, or 3-bit codes across bytes;
+    fractional rates: two segments whose kinds differ between the sides, or two on one side and one on the other)
     agree with the torch path."""
-    reference, native = _both(_step(key_bits, batch=2, context=300, window=16, seed=key_bits * 10 + value_bits,
+    reference, native = _both(_step(key_bits, batch=2, context=300, window=16, seed=int(key_bits * 10 + value_bits),
                                     value_bits=value_bits))
     assert torch.allclose(native, reference, rtol=0, atol=1e-4 * reference.abs().max().item())
 
