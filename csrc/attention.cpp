@@ -508,73 +508,60 @@ __attribute__((target("avx2,fma"))) void one_head_vectors_avx2(const DecodeArgs&
 
 // vector_head_with for one key and one value segment, of kinds kc and vc known at compile time.
 template <int kc, int vc>
-__attribute__((target("avx2,fma"))) void one_head_single_avx2(const DecodeArgs& a, const std::vector<VectorSegment>& key_kinds,
-                                                              const std::vector<VectorSegment>& value_kinds, int64_t head) {
-  vector_head_with(a, SingleGather<kc>(a.keys[0], key_kinds[0], head), a.keys[0].dim / 8,
-                   SingleGather<vc>(a.values[0], value_kinds[0], head), a.values[0].dim / 8, head);
-}
-
+struct SingleHead {
+  __attribute__((target("avx2,fma"))) static void run(const DecodeArgs& a, const std::vector<VectorSegment>& key_kinds,
+                                                      const std::vector<VectorSegment>& value_kinds, int64_t head) {
+    vector_head_with(a, SingleGather<kc>(a.keys[0], key_kinds[0], head), a.keys[0].dim / 8,
+                     SingleGather<vc>(a.values[0], value_kinds[0], head), a.values[0].dim / 8, head);
+  }
+};
 
 // vector_head_with for two segments a side, keys and values of the same kinds k1, k2 known at compile time.
 template <int k1, int k2>
-__attribute__((target("avx2,fma"))) void one_head_pair_avx2(const DecodeArgs& a, const std::vector<VectorSegment>& key_kinds,
-                                                            const std::vector<VectorSegment>& value_kinds, int64_t head) {
-  const PairGather<k1, k2> keys{SingleGather<k1>(a.keys[0], key_kinds[0], head), SingleGather<k2>(a.keys[1], key_kinds[1], head)};
-  const PairGather<k1, k2> values{SingleGather<k1>(a.values[0], value_kinds[0], head),
-                                  SingleGather<k2>(a.values[1], value_kinds[1], head)};
-  vector_head_with(a, keys, (a.keys[0].dim + a.keys[1].dim) / 8, values, (a.values[0].dim + a.values[1].dim) / 8, head);
-}
+struct PairHead {
+  __attribute__((target("avx2,fma"))) static void run(const DecodeArgs& a, const std::vector<VectorSegment>& key_kinds,
+                                                      const std::vector<VectorSegment>& value_kinds, int64_t head) {
+    const PairGather<k1, k2> keys{SingleGather<k1>(a.keys[0], key_kinds[0], head),
+                                  SingleGather<k2>(a.keys[1], key_kinds[1], head)};
+    const PairGather<k1, k2> values{SingleGather<k1>(a.values[0], value_kinds[0], head),
+                                    SingleGather<k2>(a.values[1], value_kinds[1], head)};
+    vector_head_with(a, keys, (a.keys[0].dim + a.keys[1].dim) / 8, values, (a.values[0].dim + a.values[1].dim) / 8,
+                     head);
+  }
+};
 
 using VectorHead = void (*)(const DecodeArgs&, const std::vector<VectorSegment>&, const std::vector<VectorSegment>&, int64_t);
 
-// one_head_single_avx2 for value kind vc and key kind `kc`.
-template <int vc>
-VectorHead single_head(int kc) {
-  switch (kc) {
-    case 8: return one_head_single_avx2<8, vc>;
-    case 4: return one_head_single_avx2<4, vc>;
-    case 3: return one_head_single_avx2<3, vc>;
-    default: return one_head_single_avx2<2, vc>;
+// Head<first, second>::run for the kind `first` known at run time.
+template <template <int, int> class Head, int second>
+VectorHead with_first_kind(int first) {
+  switch (first) {
+    case 8: return Head<8, second>::run;
+    case 4: return Head<4, second>::run;
+    case 3: return Head<3, second>::run;
+    default: return Head<2, second>::run;
   }
 }
 
-
-// one_head_pair_avx2 for second kind k2 and first kind `k1`.
-template <int k2>
-VectorHead pair_head(int k1) {
-  switch (k1) {
-    case 8: return one_head_pair_avx2<8, k2>;
-    case 4: return one_head_pair_avx2<4, k2>;
-    case 3: return one_head_pair_avx2<3, k2>;
-    default: return one_head_pair_avx2<2, k2>;
+// Head<first, second>::run for kinds known at run time.
+template <template <int, int> class Head>
+VectorHead with_kinds(int first, int second) {
+  switch (second) {
+    case 8: return with_first_kind<Head, 8>(first);
+    case 4: return with_first_kind<Head, 4>(first);
+    case 3: return with_first_kind<Head, 3>(first);
+    default: return with_first_kind<Head, 2>(first);
   }
 }
 
-// The head function for these segment kinds: one_head_single_avx2 for one segment a side, one_head_pair_avx2 for two
-// of the same kinds a side (fractional rates), else one_head_vectors_avx2.
+// The head function for these segment kinds: SingleHead for one segment a side, PairHead for two of the same kinds
+// a side (fractional rates), else one_head_vectors_avx2.
 VectorHead vector_head(const std::vector<VectorSegment>& key_kinds, const std::vector<VectorSegment>& value_kinds) {
-  const auto kinds = [](const std::vector<VectorSegment>& side) {
-    std::vector<int> out;
-    for (const VectorSegment& seg : side) out.push_back(seg.kind);
-    return out;
-  };
-  if (key_kinds.size() == 2 && kinds(key_kinds) == kinds(value_kinds)) {
-    const int k1 = key_kinds[0].kind;
-    switch (key_kinds[1].kind) {
-      case 8: return pair_head<8>(k1);
-      case 4: return pair_head<4>(k1);
-      case 3: return pair_head<3>(k1);
-      default: return pair_head<2>(k1);
-    }
-  }
-  if (key_kinds.size() != 1 || value_kinds.size() != 1) return one_head_vectors_avx2;
-  const int kc = key_kinds[0].kind;
-  switch (value_kinds[0].kind) {
-    case 8: return single_head<8>(kc);
-    case 4: return single_head<4>(kc);
-    case 3: return single_head<3>(kc);
-    default: return single_head<2>(kc);
-  }
+  if (key_kinds.size() == 1 && value_kinds.size() == 1) return with_kinds<SingleHead>(key_kinds[0].kind, value_kinds[0].kind);
+  const bool same_pair = key_kinds.size() == 2 && value_kinds.size() == 2 && key_kinds[0].kind == value_kinds[0].kind &&
+                         key_kinds[1].kind == value_kinds[1].kind;
+  if (same_pair) return with_kinds<PairHead>(key_kinds[0].kind, key_kinds[1].kind);
+  return one_head_vectors_avx2;
 }
 
 // The segments as the vector heads read them, or empty where those do not serve them all (a segment that does not
