@@ -446,7 +446,6 @@ struct SingleGather {
   }
 };
 
-
 // Token r's levels of one head over two segments of kinds k1 and k2 known at compile time, each times its own scale:
 // the scale still due is 1.
 template <int k1, int k2>
@@ -455,12 +454,10 @@ struct PairGather {
   SingleGather<k2> second;
 
   __attribute__((target("avx2,fma"), always_inline)) float operator()(int64_t r, __m256* levels) const {
-    const __m256 f1 = _mm256_set1_ps(first.scale[r]), f2 = _mm256_set1_ps(second.scale[r]);
-    const uint8_t* row1 = first.rows + r * first.row_bytes;
-    const uint8_t* row2 = second.rows + r * second.row_bytes;
-    for (int64_t j = 0; j < first.vectors; ++j) levels[j] = _mm256_mul_ps(levels8<k1>(first.table, row1, j), f1);
-    levels += first.vectors;
-    for (int64_t j = 0; j < second.vectors; ++j) levels[j] = _mm256_mul_ps(levels8<k2>(second.table, row2, j), f2);
+    scaled_levels<k1>(first.table, first.rows + r * first.row_bytes, first.vectors, _mm256_set1_ps(first.scale[r]),
+                      levels);
+    scaled_levels<k2>(second.table, second.rows + r * second.row_bytes, second.vectors,
+                      _mm256_set1_ps(second.scale[r]), levels + first.vectors);
     return 1.0f;
   }
 };
@@ -580,7 +577,19 @@ std::vector<VectorSegment> vector_segments(const std::vector<CodedTokens>& segme
 }
 #endif
 
-// Runs, for every head h (heads in parallel), before(h), then h's coded state (decode_attention's), then after(h).
+// Runs before(h), coded(h), after(h) for every head h, heads in parallel.
+template <class Before, class Coded, class After>
+void heads_in_parallel(const DecodeArgs& a, const Before& before, const Coded& coded, const After& after) {
+  parallel_for(static_cast<size_t>(a.heads), a.threads, [&](size_t begin, size_t end) {
+    for (auto h = static_cast<int64_t>(begin); h < static_cast<int64_t>(end); ++h) {
+      before(h);
+      coded(h);
+      after(h);
+    }
+  });
+}
+
+// Runs, for every head h (heads in parallel), before(h), then h's coded tokens' online-softmax state, then after(h).
 template <class Before, class After>
 void for_each_head(const DecodeArgs& a, const Before& before, const After& after) {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -588,13 +597,7 @@ void for_each_head(const DecodeArgs& a, const Before& before, const After& after
     const std::vector<VectorSegment> key_kinds = vector_segments(a.keys), value_kinds = vector_segments(a.values);
     if (!key_kinds.empty() && !value_kinds.empty()) {
       const VectorHead vector = vector_head(key_kinds, value_kinds);
-      parallel_for(static_cast<size_t>(a.heads), a.threads, [&](size_t begin, size_t end) {
-        for (auto h = static_cast<int64_t>(begin); h < static_cast<int64_t>(end); ++h) {
-          before(h);
-          vector(a, key_kinds, value_kinds, h);
-          after(h);
-        }
-      });
+      heads_in_parallel(a, before, [&](int64_t h) { vector(a, key_kinds, value_kinds, h); }, after);
       return;
     }
   }
@@ -603,25 +606,23 @@ void for_each_head(const DecodeArgs& a, const Before& before, const After& after
 #if defined(__x86_64__) || defined(_M_X64)
   if (has_avx2()) head = one_head_avx2;
 #endif
-  parallel_for(static_cast<size_t>(a.heads), a.threads, [&](size_t begin, size_t end) {
-    for (auto h = static_cast<int64_t>(begin); h < static_cast<int64_t>(end); ++h) {
-      before(h);
-      head(a, h);
-      after(h);
-    }
-  });
+  heads_in_parallel(a, before, [&](int64_t h) { head(a, h); }, after);
+}
+
+// out (width) += x (n) @ m (n, width).
+__attribute__((always_inline)) inline void add_vector_times_matrix(const float* x, const float* m, int64_t n, int64_t width,
+                                                                    float* __restrict__ out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float xi = x[i];
+    const float* __restrict__ row = m + i * width;
+    for (int64_t j = 0; j < width; ++j) out[j] += xi * row[j];
+  }
 }
 
 // out (G, kd) = q (G, d) @ rotation (d, kd).
 void rotate(const float* q, const float* rotation, int64_t G, int64_t d, int64_t kd, float* out) {
   std::fill(out, out + G * kd, 0.0f);
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t i = 0; i < d; ++i) {
-      const float x = q[g * d + i];
-      const float* __restrict__ row = rotation + i * kd;
-      float* __restrict__ o = out + g * kd;
-      for (int64_t j = 0; j < kd; ++j) o[j] += x * row[j];
-    }
+  for (int64_t g = 0; g < G; ++g) add_vector_times_matrix(q + g * d, rotation, d, kd, out + g * kd);
 }
 
 // One query's logits <q, key - mean> over `part`'s tokens of `head` into `logits` (-inf where masked out); returns
@@ -678,11 +679,7 @@ __attribute__((always_inline)) inline void finish_head_with(const StepArgs& s, c
     const float m_c = a.max[head * G + g], l_c = a.sum[head * G + g];
     const float* acc = a.acc + (head * G + g) * vd;
     for (int64_t c = 0; c < d; ++c) coded[c] = l_c * value_mean[c];
-    for (int64_t j = 0; j < vd; ++j) {
-      const float x = acc[j];
-      const float* __restrict__ row = back + j * d;
-      for (int64_t c = 0; c < d; ++c) coded[c] += x * row[c];
-    }
+    add_vector_times_matrix(acc, back, vd, d, coded.data());
     const float m = std::max(m_c, m_e), m_safe = std::isinf(m) ? 0.0f : m;
     const float w_c = std::exp(m_c - m_safe), w_e = std::exp(m_e - m_safe);
     const float total = w_c * l_c + w_e * l_e, divisor = total > 0.0f ? total : 1.0f;
@@ -702,10 +699,6 @@ void finish_head_avx2(const StepArgs& s, const DecodeArgs& a, int64_t head) { fi
 #endif
 
 }  // namespace
-
-void decode_attention(const DecodeArgs& a) {
-  for_each_head(a, [](int64_t) {}, [](int64_t) {});
-}
 
 void decode_step(const StepArgs& s) {
   const DecodeArgs& c = s.coded;

@@ -38,6 +38,7 @@ struct CodedTokens {
   int64_t first, dim;
 };
 
+// The coded tokens of one step and where their online-softmax state goes (decode_step fills in the buffers).
 struct DecodeArgs {
   std::vector<CodedTokens> keys, values;  // segments: a token's logit sums its key segments' scale * <q, levels>
   const float* queries;       // (heads, group, key_dim): rotated, scaled queries
@@ -50,9 +51,6 @@ struct DecodeArgs {
   float* sum;                 // (heads, group)
   float* acc;                 // (heads, group, value_dim)
 };
-
-// The online-softmax state of a.queries over the coded tokens, into a.max, a.sum and a.acc.
-void decode_attention(const DecodeArgs& a);
 
 // Tokens of every head kept exactly: head h's keys and values (count, dim) float32 at keys / values + h * count * dim;
 // their validity at columns first_column .. first_column + count - 1 of the validity rows.
@@ -77,7 +75,7 @@ struct StepArgs {
   float* out;                 // (heads, group, dim): the attention output, 0 where no token is valid
 };
 
-// One decode step: the coded tokens' state (decode_attention) merged with the exact tokens'.
+// One decode step: the coded tokens' online-softmax state merged with the exact tokens'.
 void decode_step(const StepArgs& s);
 
 }  // namespace tqvec
