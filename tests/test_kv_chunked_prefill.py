@@ -15,6 +15,7 @@ from kv_models import tiny_llama  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 
+from tqvec import _fastscan  # noqa: E402
 from tqvec.kv import TurboQuantCache, TurboQuantLayer, attention  # noqa: E402
 from tqvec.kv.attention import _head_scores, _values, compressed_attention, dense_attention, dense_kv  # noqa: E402
 from tqvec.kv.cache import CompressedKV  # noqa: E402
@@ -155,11 +156,12 @@ def test_bfloat16_model_dtype() -> None:
 @pytest.mark.parametrize("key_mode,bits", [("mse", 4), ("mse", 3.5), ("prod", 3)])
 def test_dispatch(monkeypatch: pytest.MonkeyPatch, key_mode: str, bits: float) -> None:
     """Several query tokens over codes run the dense path (QJL keys too), never the per-head one; one query token
-    keeps ``decode_step`` (``mse`` keys, channel groups included on the CPU) or the per-head path (QJL keys, which
-    ``decode_step`` declines)."""
+    keeps ``decode_step`` (``mse`` keys, channel groups included on the CPU; through the layer's bound native step
+    where the native kernel serves the CPU) or the per-head path (QJL keys, which ``decode_step`` declines)."""
     handle, g = _handle(bits, 16, 4, key_mode=key_mode)
+    one_token = "_native_decode" if _fastscan.available() and _fastscan.cpu_kernel() != "torch" else "decode_step"
     calls = []
-    for name in ("dense_attention", "compressed_attention", "decode_step"):
+    for name in ("dense_attention", "compressed_attention", "decode_step", "_native_decode"):
         real = getattr(attention, name)
         monkeypatch.setattr(attention, name, lambda *a, name=name, real=real: calls.append(name) or real(*a))
     module = torch.nn.Module()
@@ -168,7 +170,7 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch, key_mode: str, bits: float) -
     calls.clear()
     attention.tqvec_attention_forward(module, torch.randn(2, 4, 1, D, generator=g), handle, handle, None)
     declined = key_mode == "prod"
-    assert calls == ["decode_step"] + (["compressed_attention"] if declined else [])
+    assert calls == (["decode_step", "compressed_attention"] if declined else [one_token])
 
 
 def _peak_bytes(fn) -> tuple[int, int]:

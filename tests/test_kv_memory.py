@@ -81,6 +81,9 @@ def test_causal_attention_gets_no_materialized_mask(monkeypatch: pytest.MonkeyPa
                         lambda module, q, k, v, mask, **kw: masks.append(("sdpa", mask)) or real(module, q, k, v, mask, **kw))
     real_step = attention.decode_step
     monkeypatch.setattr(attention, "decode_step", lambda h, q, mask, s: masks.append(("codes", mask)) or real_step(h, q, mask, s))
+    real_native = attention._native_decode
+    monkeypatch.setattr(attention, "_native_decode",
+                        lambda h, q, mask, s: masks.append(("codes", mask)) or real_native(h, q, mask, s))
     model = tiny_llama()
     ids = torch.randint(0, 64, (1, 60), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

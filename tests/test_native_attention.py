@@ -161,3 +161,55 @@ def test_native_decode_attention_reads_mixed_and_partial_three_bit_layouts(dim: 
     logits = queries @ levels.transpose(2, 3) * scale[:, :, None, :]
     weights = torch.softmax(logits, -1)
     assert torch.allclose(out, weights @ (levels * scale[..., None]), rtol=1e-4, atol=1e-4)
+
+
+def test_bound_step_reads_tokens_written_after_binding() -> None:
+    """A :class:`_fastscan.BoundDecodeStep` reads its code buffers in place: tokens written after binding count in a
+    later call with a larger ``n``, which equals an unbound :func:`_fastscan.decode_step` over the same tokens."""
+    tq = TurboQuantizer(HEAD_DIM, 4, seed=0)
+    gen = torch.Generator().manual_seed(11)
+    capacity, first = 40, 25
+    codes = tq.encode(torch.randn(KV_HEADS * capacity, HEAD_DIM, generator=gen))
+    packed = codes.packed.view(1, KV_HEADS, capacity, -1)
+    scales = codes.scales.half().view(1, KV_HEADS, capacity)
+    buffers = torch.zeros_like(packed), torch.zeros_like(scales)
+    buffers[0][:, :, :first], buffers[1][:, :, :first] = packed[:, :, :first], scales[:, :, :first]
+    coded = [(buffers[0], buffers[1], tq.table("cpu").native_plan(), HEAD_DIM)]
+    eye, mean = torch.eye(HEAD_DIM), torch.zeros(1, KV_HEADS, HEAD_DIM)
+    none = torch.zeros(1, KV_HEADS, 0, HEAD_DIM)
+    window = torch.randn(1, KV_HEADS, 3, HEAD_DIM, generator=gen), torch.randn(1, KV_HEADS, 3, HEAD_DIM, generator=gen)
+    queries = torch.randn(1, KV_HEADS, 3, HEAD_DIM, generator=gen)
+    bound = _fastscan.BoundDecodeStep(eye, eye, coded, coded, mean, mean, (none, none))
+    before = bound(queries, first, window, None)
+    buffers[0][:, :, first:], buffers[1][:, :, first:] = packed[:, :, first:], scales[:, :, first:]
+    after = bound(queries, capacity, window, None)
+    unbound = _fastscan.decode_step(queries, eye, eye, coded, coded, capacity, mean, mean, (none, none), window, None)
+    assert torch.equal(after, unbound)
+    assert not torch.allclose(after, before, atol=1e-3)  # the new tokens changed the answer
+    with pytest.raises(ValueError, match=r"bound to \(1, 2\)"):
+        bound(queries.expand(2, -1, -1, -1), capacity, window, None)
+
+
+@pytest.mark.parametrize("bits", [4, 2.5])
+def test_cache_steps_through_bound_native_steps_equal_torch(bits: float) -> None:
+    """One-token steps of a cache layer on the CPU run through the layer's bound native step, bound again when the
+    codes' buffers grow: each step's output equals the torch path's over the same tokens."""
+    from tqvec.kv import attention  # noqa: PLC0415 - the module under test
+
+    gen = torch.Generator().manual_seed(int(bits * 10))
+    layer = TurboQuantLayer(HeadCodec(HEAD_DIM, bits), HeadCodec(HEAD_DIM, bits, seed=1000), 4)
+    layer.update(torch.randn(1, KV_HEADS, 40, HEAD_DIM, generator=gen), torch.randn(1, KV_HEADS, 40, HEAD_DIM, generator=gen))
+    bindings = []
+    for _ in range(80):
+        handle, _ = layer.update(torch.randn(1, KV_HEADS, 1, HEAD_DIM, generator=gen),
+                                 torch.randn(1, KV_HEADS, 1, HEAD_DIM, generator=gen))
+        query = torch.randn(1, QUERY_HEADS, 1, HEAD_DIM, generator=gen)
+        assert attention._native_decodes(handle, query)
+        native = attention._native_decode(handle, query, None, HEAD_DIM ** -0.5)
+        if not bindings or bindings[-1] is not attention._NATIVE_STEPS[layer][1]:
+            bindings.append(attention._NATIVE_STEPS[layer][1])
+        reference, _ = _both(decode_step(handle, query, None, HEAD_DIM ** -0.5))
+        assert torch.allclose(native, reference.reshape(native.shape), rtol=0, atol=1e-4 * reference.abs().max().item())
+    assert 1 < len(bindings) < 80  # bound again on growth, not at every step
+    attention.forget_launch(layer)
+    assert layer not in attention._NATIVE_STEPS

@@ -19,7 +19,8 @@ batch's queries, 8-bit products of 16 queries at a time (on AMX tiles where the 
 QJL signs (``mode="prod"``) are not served: the torch path runs.
 
 :func:`decode_step` runs one decode step of attention over a compressed KV cache (coded tokens and the tokens kept
-exactly, ``csrc/attention.cpp``) for :func:`tqvec.scan.attend` on the CPU.
+exactly, ``csrc/attention.cpp``) for :func:`tqvec.scan.attend` on the CPU; :class:`BoundDecodeStep` is the same step
+with a cache layer's buffers converted once, for the cache's one-token steps.
 
 Which kernel runs: :func:`set_cpu_kernel` (``"auto"``, ``"native"``, ``"torch"``; default from the environment
 variable ``TQVEC_CPU_KERNEL``, else ``"auto"``). Threads: ``torch.get_num_threads()`` at call time, from a pool
@@ -405,14 +406,65 @@ def decode_step(queries: torch.Tensor, key_rotation: torch.Tensor, value_back: t
     >>> out.shape
     torch.Size([1, 2, 3, 64])
     """
-    b, h, group, dim = queries.shape
-    heads = lambda t: _array(t.reshape(b * h, *t.shape[2:]), np.uint8 if t.dtype == torch.uint8 else np.float32)  # noqa: E731
-    segments = lambda parts: [(plan.handle, heads(codes), heads(scale[:, :, :n].float()), int(dim))  # noqa: E731
-                              for codes, scale, plan, dim in parts]
-    exact = lambda t: heads(t.float())  # noqa: E731
-    out = _native.decode_step(
-        segments(keys), segments(values), _array(queries.reshape(b * h, group, dim), np.float32),
-        _array(key_rotation, np.float32), _array(value_back, np.float32), key_rotation.shape[-1], value_back.shape[-2],
-        n, heads(key_mean), heads(value_mean), exact(sinks[0]), exact(sinks[1]), exact(window[0]), exact(window[1]),
-        _array(None if valid is None else valid.to(torch.uint8), np.uint8), h, torch.get_num_threads())
-    return torch.from_numpy(out).view(b, h, group, dim)
+    return BoundDecodeStep(key_rotation, value_back, keys, values, key_mean, value_mean, sinks)(queries, n, window, valid)
+
+
+class BoundDecodeStep:
+    """:func:`decode_step` bound to the inputs that stay from one step to the next (a cache layer's): the codes,
+    rotations, means and sinks are made ready for the native kernel once, here; a call converts only its queries,
+    window, mask and the scales of its ``n`` tokens.
+
+    The codes are read in place: tokens written into the same buffers after binding are seen by later calls. Means
+    and sinks are read as they were at binding (in place where already float32). Bind again when any buffer is
+    replaced.
+
+    Parameters
+    ----------
+    key_rotation, value_back, keys, values, key_mean, value_mean, sinks
+        As :func:`decode_step` takes them; the ``(b, h)`` of ``key_mean`` is every call's.
+
+    Examples
+    --------
+    One head of 32 one-bit tokens (a buffer), read over its first 16 tokens, then all of them:
+
+    >>> import torch
+    >>> from tqvec import TurboQuantizer
+    >>> quantizer = TurboQuantizer(32, 1, seed=0)
+    >>> buffer = quantizer.encode(torch.randn(32, 32))
+    >>> side = [(buffer.packed[None, None], buffer.scales[None, None], quantizer.table("cpu").native_plan(), 32)]
+    >>> exact = torch.zeros(1, 1, 0, 32), torch.zeros(1, 1, 0, 32)
+    >>> step = BoundDecodeStep(torch.eye(32), torch.eye(32), side, side, torch.zeros(1, 1, 32), torch.zeros(1, 1, 32), exact)
+    >>> [tuple(step(torch.randn(1, 1, 2, 32), n, exact, None).shape) for n in (16, 32)]
+    [(1, 1, 2, 32), (1, 1, 2, 32)]
+    """
+
+    def __init__(self, key_rotation: torch.Tensor, value_back: torch.Tensor, keys: Sequence[CodedSegment],
+                 values: Sequence[CodedSegment], key_mean: torch.Tensor, value_mean: torch.Tensor,
+                 sinks: ExactTokens) -> None:
+        self._batch_heads = tuple(key_mean.shape[:2])
+        self._rotations = (_array(key_rotation, np.float32), _array(value_back, np.float32), key_rotation.shape[-1],
+                           value_back.shape[-2])
+        self._keys = [(plan.handle, self._heads(codes), scale, int(dim)) for codes, scale, plan, dim in keys]
+        self._values = [(plan.handle, self._heads(codes), scale, int(dim)) for codes, scale, plan, dim in values]
+        self._means = self._heads(key_mean.float()), self._heads(value_mean.float())
+        self._sinks = self._heads(sinks[0].float()), self._heads(sinks[1].float())
+
+    def _heads(self, t: torch.Tensor) -> np.ndarray:
+        """``t`` ``(b, h, ...)`` as an array over ``b · h`` heads (uint8 codes, else float32)."""
+        b, h = self._batch_heads
+        return _array(t.reshape(b * h, *t.shape[2:]), np.uint8 if t.dtype == torch.uint8 else np.float32)
+
+    def __call__(self, queries: torch.Tensor, n: int, window: ExactTokens, valid: torch.Tensor | None) -> torch.Tensor:
+        """:func:`decode_step`'s output for ``queries`` ``(b, h, G, head_dim)`` over ``n`` coded tokens of the bound
+        buffers, the sinks and ``window``, masked by ``valid``; raises ``ValueError`` as it does, and for queries of
+        another ``(b, h)`` than the binding's."""
+        b, h, group, dim = queries.shape
+        if (b, h) != self._batch_heads:
+            raise ValueError(f"queries have (batch, heads) {(b, h)}, the step was bound to {self._batch_heads}")
+        scaled = lambda parts: [(plan, codes, self._heads(scale[:, :, :n].float()), dim)  # noqa: E731
+                                for plan, codes, scale, dim in parts]
+        out = _native.decode_step(
+            scaled(self._keys), scaled(self._values), _array(queries.reshape(b * h, group, dim), np.float32),
+            *self._rotations, n, *self._means, *self._sinks, self._heads(window[0].float()), self._heads(window[1].float()),
+            _array(None if valid is None else valid.to(torch.uint8), np.uint8), h, torch.get_num_threads())
+        return torch.from_numpy(out).view(b, h, group, dim)

@@ -37,7 +37,8 @@ time, never the whole cache) plus ``μ_v·Σ p_i`` plus the full-precision windo
 The same torch code runs on CUDA (the scores then come from the Triton scan behind scan.scores).
 
 Decode steps (one query token, ``mse`` keys) go instead through :func:`tqvec.scan.attend` (:func:`decode_step`
-builds its input): an online softmax over the codes on CPU (the native kernel, or torch in code blocks), where the
+builds its input), or on the CPU with the native kernel through the layer's bound step (:func:`_native_decode`):
+an online softmax over the codes on CPU (the native kernel, or torch in code blocks), where the
 channel groups of a fractional rate are segments side by side in the rotated space (the per-head channel order and
 each group's rotation folded into one matrix per head); on CUDA (one quantizer per side) two fused split-sequence
 Triton kernels (:mod:`tqvec.kernels.attention`) that read the codes, the sinks and the window once. No per-head
@@ -62,7 +63,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .. import scan
+from .. import _fastscan, scan
 from ..quantizer import TurboQuantizer
 from .cache import CompressedKV
 from .codec import HeadCodec
@@ -81,6 +82,8 @@ _ROTATION_MATRICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: cache layer → (anchors, settings, its decode launch): :func:`_bound_step`. Kept beside the layer rather than on it,
 #: so copying or pickling a cache does not meet the compiled kernels; an entry goes with its layer
 _LAUNCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: cache layer → (anchors, its bound native step): :func:`_native_decode`, kept beside the layer as :data:`_LAUNCHES` is
+_NATIVE_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: (id of a codec, id of a layer's channel order (h, d) or of None, device) → that codec's grouped matrices with the
 #: order folded in (:func:`_codec_rotations`); an entry is dropped when its codec or its order is freed
 _PERMUTED_ROTATIONS: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -205,9 +208,11 @@ def _bound_step(layer: object, anchors: tuple, settings: tuple, make: Callable[[
 
 
 def forget_launch(layer: object) -> None:
-    """Drop ``layer``'s bound launch (:func:`_bound_step`) now: called when the layer replaces its codes outside a
-    step (a batch reorder, a reset), so the old buffers are not kept alive until the layer's next one-token step."""
+    """Drop ``layer``'s bound launch (:func:`_bound_step`) and native step (:func:`_native_decode`) now: called when
+    the layer replaces its codes outside a step (a batch reorder, a reset), so the old buffers are not kept alive
+    until the layer's next one-token step."""
     _LAUNCHES.pop(layer, None)
+    _NATIVE_STEPS.pop(layer, None)
 
 
 def _kernel_decode(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
@@ -222,6 +227,35 @@ def _kernel_decode(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor
                layer.value_mean)
     return _bound_step(layer, anchors, (valid is None, scaling), lambda: _decode_attention(handle, query, valid, scaling),
                        query, handle.keys, handle.values, handle.n_codes, valid)
+
+
+def _native_decodes(handle: CompressedKV, query: torch.Tensor) -> bool:
+    """Whether :func:`_native_decode` serves this step: one that :func:`decode_step` serves, on the CPU, where
+    :func:`tqvec.scan.attend` would take the native kernel."""
+    return (query.device.type == "cpu" and _fastscan.available() and _fastscan.cpu_kernel() != "torch"
+            and _decodes(handle, query))
+
+
+def _native_decode(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """Output ``(b, hq, 1, d)`` of a one-token CPU step by the native kernel, through the layer's
+    :class:`tqvec._fastscan.BoundDecodeStep`: bound again when the cache replaces its codes (a growth, a batch reorder,
+    a reset), its sinks or its means; between, the codes grow in place and each step passes ``n_codes``."""
+    layer = handle.layer
+    anchors = (layer.key_store.fields, layer.value_store.fields, handle.sink_keys, handle.sink_values, layer.key_mean,
+               layer.value_mean)
+    held = _NATIVE_STEPS.get(layer)
+    if held is None or not all(x is y for x, y in zip(held[0], anchors)):
+        a = _decode_attention(handle, query, None, scaling)
+        segments = lambda parts: [(c.packed, c.scale, c.table.native_plan(), c.table.layout.dim) for c in parts]  # noqa: E731
+        held = anchors, _fastscan.BoundDecodeStep(a.key_rotation, a.value_back, segments(a.key_parts),
+                                                  segments(a.value_parts), a.key_mean, a.value_mean,
+                                                  (a.sink_keys, a.sink_values))
+        _NATIVE_STEPS[layer] = held
+    b, hq, _, d = query.shape
+    h_kv = handle.keys.shape[1]
+    out = held[1](query.reshape(b, h_kv, hq // h_kv, d).float() * scaling, handle.n_codes, (handle.keys, handle.values),
+                  _valid(mask, query))
+    return out.to(query.dtype).reshape(query.shape)
 
 
 def _decode_attention(handle: CompressedKV, query: torch.Tensor, valid: torch.Tensor | None, scaling: float,
@@ -475,6 +509,8 @@ def _compressed_forward(module: torch.nn.Module, query: torch.Tensor, key: Compr
         out = dense_attention(key, query, attention_mask, scaling)
     elif query.is_cuda and _decodes(key, query):
         out = _kernel_decode(key, query, attention_mask, scaling)
+    elif _native_decodes(key, query):
+        out = _native_decode(key, query, attention_mask, scaling)
     elif (step := decode_step(key, query, attention_mask, scaling)) is not None:
         out = scan.attend(step).reshape(query.shape)
     else:
