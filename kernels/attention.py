@@ -39,7 +39,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from tqvec.packing import Layout
 
-from .launch import BoundLaunch, Launcher, cdiv, pow2
+from .launch import BoundLaunch, Launcher, cdiv, multiprocessors, pow2
 from .ops import MIN_BLOCK_D, interpreting, segment_args
 from .unpack import nibble_pairs, one_4bit_segment, row_bytes, segment_values, table_nibble_pair_asm
 
@@ -277,7 +277,6 @@ BLOCK_E = 64
 COMBINE_CHANNELS = 32
 #: at most this many coded slices per head
 MAX_SPLITS = 128
-_SM_COUNT: dict[int, int] = {}
 
 
 def _nibble_split(layout: Layout) -> bool:
@@ -364,10 +363,7 @@ def _split_cap(device: torch.device, heads: int, interpret: bool) -> int:
     starting a second wave (at least 1; 3 under the interpreter)."""
     if interpret:
         return 3
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return max(1, min(PROGRAMS_PER_SM * _SM_COUNT[index] // heads - 1, MAX_SPLITS))
+    return max(1, min(PROGRAMS_PER_SM * multiprocessors(device) // heads - 1, MAX_SPLITS))
 
 
 def _split_constexprs(keys: CodeTable, values: CodeTable, G: int, dh: int, has_valid: bool, ring: bool,

@@ -10,7 +10,10 @@ q · 127 / max|q|), multiplied with int32 accumulation:
   batches) by code tiles decoded in registers (:func:`~.dp4a_stage.nibble_levels_asm`), and writes each query's best
   score estimate per group of ``GROUP_N`` rows (the products divided by the queries' scale factor, so a zero query
   ranks its groups by their bias), as :func:`~.scan_kernel.tile_kernel` does with ``GROUP_MAX`` up to the two 8-bit
-  roundings.
+  roundings;
+* :func:`group_max_loop_kernel` gives the same maxima where a tile is one channel step (at most 128 channels): a
+  program keeps its query tile and loops over row tiles, their loads software-pipelined, so the query tile is read
+  once per program instead of once per tile and a row tile's loads overlap the previous tile's products.
 
 The products become floats without the int32-to-float conversion instruction (an eighth of the float32 rate on the
 H200's multiprocessors, and one per query and row): the accumulator starts at :data:`ACC_BIAS`, the bits of the
@@ -84,15 +87,27 @@ def _tile_of(pid, nq, n, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_Q: 
 
 
 @triton.jit
-def _products(acc, offs_q, q_mask, abs_sum_ptr, FAST_MAX_ABS_SUM: tl.constexpr):
+def _fast_conversion(offs_q, q_mask, abs_sum_ptr, FAST_MAX_ABS_SUM: tl.constexpr):
+    """Whether every query of the tile has ``Σ|q8| ≤ FAST_MAX_ABS_SUM`` (``abs_sum_ptr``): its products convert by
+    subtraction (:func:`_products`)."""
+    return tl.max(tl.load(abs_sum_ptr + offs_q, mask=q_mask, other=0), axis=0) <= FAST_MAX_ABS_SUM
+
+
+@triton.jit
+def _products(acc, fast):
     """The int32 products ``acc`` ``(BLOCK_Q, BLOCK_N)`` (started at :data:`ACC_BIAS`) as float32: by one subtraction
-    where every query of the tile has ``Σ|q8| ≤ FAST_MAX_ABS_SUM`` (``abs_sum_ptr``), else converted."""
-    largest = tl.max(tl.load(abs_sum_ptr + offs_q, mask=q_mask, other=0), axis=0)
-    if largest <= FAST_MAX_ABS_SUM:
+    where ``fast`` (:func:`_fast_conversion`), else converted."""
+    if fast:
         products = acc.to(tl.float32, bitcast=True) - ACC_BIAS_FLOAT
     else:
         products = (acc - ACC_BIAS).to(tl.float32)
     return products
+
+
+@triton.jit
+def _per_query(offs_q, q_mask, qfac_ptr, unit_ptr):
+    """Each query's positive factor ``unit / qfac[q]`` ``(BLOCK_Q,)`` from products to scores."""
+    return tl.load(unit_ptr) / tl.load(qfac_ptr + offs_q, mask=q_mask, other=1.0)
 
 
 @triton.jit
@@ -106,14 +121,13 @@ def _group_best(scores, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_N: t
 
 
 @triton.jit
-def _store_group_maxima(products, offs_q, q_mask, rows, row_mask, row_tile, scale_ptr, bias_ptr, qfac_ptr, unit_ptr,
-                        out_ptr, stride_out, group0, n, HAS_BIAS: tl.constexpr, BLOCK_Q: tl.constexpr,
-                        BLOCK_N: tl.constexpr, GROUP_N: tl.constexpr):
-    """Scale the products ``(BLOCK_Q, BLOCK_N)`` float32 to score estimates (``unit / qfac[q] · scale[i] · product +
-    bias[i]``) and store each query's best per group of ``GROUP_N`` rows at ``out[q, group0 + group]``. Without bias
-    the positive per-query factor multiplies the maxima instead of every product (the order is the same); only the
-    last tile masks the rows past ``n``."""
-    per_query = tl.load(unit_ptr) / tl.load(qfac_ptr + offs_q, mask=q_mask, other=1.0)
+def _store_group_maxima(products, per_query, offs_q, q_mask, rows, row_mask, row_tile, scale_ptr, bias_ptr, out_ptr,
+                        stride_out, group0, n, HAS_BIAS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                        GROUP_N: tl.constexpr):
+    """Scale the products ``(BLOCK_Q, BLOCK_N)`` float32 to score estimates (``per_query[q] · scale[i] · product +
+    bias[i]``, :func:`_per_query`) and store each query's best per group of ``GROUP_N`` rows at ``out[q, group0 +
+    group]``. Without bias the positive per-query factor multiplies the maxima instead of every product (the order is
+    the same); only the last tile masks the rows past ``n``."""
     scores = products * tl.load(scale_ptr + rows, mask=row_mask, other=0.0)[None, :]
     if HAS_BIAS:
         scores = scores * per_query[:, None] + tl.load(bias_ptr + rows, mask=row_mask, other=0.0)[None, :]
@@ -186,6 +200,40 @@ def group_max_kernel(
         else:
             b = tl.load(row_ptrs[:, None] + (k0 + channel)[None, :], mask=row_mask[:, None], other=0)
         acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
-    products = _products(acc, offs_q, q_mask, abs_sum_ptr, FAST_MAX_ABS_SUM)
-    _store_group_maxima(products, offs_q, q_mask, rows, row_mask, row_tile, scale_ptr, bias_ptr, qfac_ptr, unit_ptr,
-                        out_ptr, stride_out, group0, n, HAS_BIAS, BLOCK_Q, BLOCK_N, GROUP_N)
+    products = _products(acc, _fast_conversion(offs_q, q_mask, abs_sum_ptr, FAST_MAX_ABS_SUM))
+    _store_group_maxima(products, _per_query(offs_q, q_mask, qfac_ptr, unit_ptr), offs_q, q_mask, rows, row_mask,
+                        row_tile, scale_ptr, bias_ptr, out_ptr, stride_out, group0, n, HAS_BIAS, BLOCK_Q, BLOCK_N, GROUP_N)
+
+
+@triton.jit
+def group_max_loop_kernel(
+    q_ptr, rows_ptr, scale_ptr, bias_ptr, qfac_ptr, abs_sum_ptr, grid_ptr, out_ptr, unit_ptr,
+    nq, n, group0, stride_q, stride_rows, stride_out, lanes,
+    K_PAD: tl.constexpr, NBYTES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP_N: tl.constexpr, FUSED: tl.constexpr, ASM: tl.constexpr, FAST_MAX_ABS_SUM: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """:func:`group_max_kernel`'s maxima (same arguments; a tile is one channel step of ``K_PAD`` channels) from
+    ``lanes`` programs per query tile: program ``p`` takes query tile ``p % n_q_tiles`` and row tiles ``p //
+    n_q_tiles``, ``+ lanes``, ``+ 2 · lanes``, … in turn, its query tile loaded once and the row tiles' loads
+    software-pipelined over ``STAGES`` stages. Launched with as many programs as the multiprocessors hold at once
+    (``lanes`` per query tile), the programs of a row tile run side by side and share it in L2."""
+    n_q_tiles = tl.cdiv(nq, BLOCK_Q)
+    q_tile = tl.program_id(0) % n_q_tiles
+    offs_q = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    q_mask = offs_q < nq
+    channel = tl.arange(0, K_PAD)
+    queries = tl.load(q_ptr + offs_q.to(tl.int64)[:, None] * stride_q + channel[None, :], mask=q_mask[:, None], other=0)
+    fast = _fast_conversion(offs_q, q_mask, abs_sum_ptr, FAST_MAX_ABS_SUM)
+    per_query = _per_query(offs_q, q_mask, qfac_ptr, unit_ptr)
+    for row_tile in tl.range(tl.program_id(0) // n_q_tiles, tl.cdiv(n, BLOCK_N), lanes, num_stages=STAGES):
+        rows = row_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < n
+        row_ptrs = rows_ptr + rows.to(tl.int64) * stride_rows
+        if FUSED:
+            b = _code_tile_levels(row_ptrs, row_mask, 0, grid_ptr, NBYTES, BLOCK_N, K_PAD, ASM)
+        else:
+            b = tl.load(row_ptrs[:, None] + channel[None, :], mask=row_mask[:, None], other=0)
+        acc = tl.dot(queries, tl.trans(b), tl.full((BLOCK_Q, BLOCK_N), ACC_BIAS, dtype=tl.int32), out_dtype=tl.int32)
+        _store_group_maxima(_products(acc, fast), per_query, offs_q, q_mask, rows, row_mask, row_tile, scale_ptr,
+                            bias_ptr, out_ptr, stride_out, group0, n, HAS_BIAS, BLOCK_Q, BLOCK_N, GROUP_N)

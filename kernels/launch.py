@@ -10,12 +10,14 @@ of each specialization, the interpreter, launch hooks (profilers) and Triton ver
 the normal path.
 
 :func:`cdiv` and :func:`pow2` size grids and blocks on the host: ``triton.cdiv`` and ``triton.next_power_of_2`` are
-constexpr functions, microseconds per call from Python, on every launch.
+constexpr functions, microseconds per call from Python, on every launch. :func:`multiprocessors` and
+:func:`resident_blocks` size grids of programs that loop over their work (one wave, no tail).
 """
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 import triton
 
 try:  # Triton internals (3.x); without them every call takes the normal path
@@ -34,6 +36,34 @@ def cdiv(x: int, y: int) -> int:
 def pow2(x: int) -> int:
     """The smallest power of two ``≥ x`` (``x ≥ 1``), on the host."""
     return 1 << (x - 1).bit_length()
+
+
+_MULTIPROCESSORS: dict[int, int] = {}
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The multiprocessors (SMs) of CUDA ``device`` (cached per device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _MULTIPROCESSORS:
+        _MULTIPROCESSORS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _MULTIPROCESSORS[index]
+
+
+def resident_blocks(kernel: Any, device: torch.device) -> int:
+    """Blocks of the compiled Triton ``kernel`` (as ``warmup`` returns it) that one multiprocessor of ``device`` holds at
+    once, limited by its registers (allocated per warp in steps of 8 per thread), its shared memory (1 KiB reserved per
+    block) and its threads; at least 0.
+
+    Example: a kernel of 4 warps at 168 registers and 48 KiB on an H100 (64K registers, 228 KiB, 2,048 threads) →
+    ``min(65536 // (168 · 128), 233472 // (49152 + 1024), 2048 // 128)`` = 3.
+    """
+    kernel._init_handles()  # loads the binary, which reports the registers
+    props = torch.cuda.get_device_properties(device)
+    threads = kernel.metadata.num_warps * props.warp_size
+    registers = -(-kernel.n_regs // 8) * 8 * threads
+    return min(props.regs_per_multiprocessor // registers,
+               props.shared_memory_per_multiprocessor // (kernel.metadata.shared + 1024),
+               props.max_threads_per_multi_processor // threads)
 
 
 #: specializations kept per kernel

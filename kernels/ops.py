@@ -17,7 +17,9 @@ Search runs in two stages and never writes the ``(nq, n)`` score matrix:
    (:data:`INT8_MIN_QUERIES`) go through :mod:`.int8_stage` instead: rows decoded once per search to int8
    levels, queries scaled by ``127 / max|q|`` and rounded to int8, int32 products on tensor cores; over one 4-bit
    segment, batches of more than :data:`INT8_FUSED_MIN_QUERIES` and fewer than :data:`INT8_FUSED_MAX_QUERIES`
-   decode each code tile in registers instead (:attr:`SearchSettings.int8_fused`).
+   decode each code tile in registers instead (:attr:`SearchSettings.int8_fused`); rows of one channel step
+   (:data:`INT8_ONE_STEP_CHANNELS`) run one wave of programs that loop over row tiles
+   (:attr:`SearchSettings.int8_row_loop`).
 2. :func:`~.topk.row_topk` (Triton, exact up to the order of ties; see :mod:`.topk`) picks the
    ``k + GROUP_MARGIN`` best groups per query, and :func:`~.scan_kernel.refine_kernel` rescores their
    rows in exact float32, keeping each refined slice's best ``k`` (rounded up to a power of two); a last
@@ -62,8 +64,8 @@ from . import topk as topk_kernels
 from .dp4a_stage import CHANNELS_PER_WORD, dp4a_asm, dp4a_group_max_kernel, int8_queries_kernel, nibble_levels_asm
 from .encode_kernel import encode_kernel
 from .graphs import GraphCache, capture_graph
-from .int8_stage import FAST_CONVERSION_MAX_ABS_SUM, decode_kernel, group_max_kernel
-from .launch import Launcher, cdiv, pow2
+from .int8_stage import FAST_CONVERSION_MAX_ABS_SUM, decode_kernel, group_max_kernel, group_max_loop_kernel
+from .launch import Launcher, cdiv, multiprocessors, pow2, resident_blocks
 from .scan_kernel import half_queries_kernel, matvec_kernel, refine_kernel, tile_kernel
 from .unpack import one_4bit_segment, table_nibble_pair_asm
 
@@ -109,6 +111,13 @@ INT8_TILE_ROWS = 128
 INT8_BLOCK_K = 64
 INT8_GROUP_Q = 16
 INT8_STAGES = 3
+#: rows of at most this many channels take the int8 stage in one channel step (decoded rows: 64 or 128 channels a
+#: step instead of :data:`INT8_BLOCK_K`), through :func:`~.int8_stage.group_max_loop_kernel` with
+#: :attr:`SearchSettings.int8_row_loop`: H100, 1M x 128, 4 bits, whole searches 1.14x faster at 100 queries and 1.29x
+#: at 10,000 than one program per tile (bench/results/gpu_scan_runs/edca7ac-row-loop)
+INT8_ONE_STEP_CHANNELS = 128
+#: its pipelined load stages (3: no faster, and one block fewer per multiprocessor)
+ROW_LOOP_STAGES = 2
 #: the fused int8 stage 1 (:attr:`SearchSettings.int8_fused`, one 4-bit segment) serves batches of more than
 #: ``INT8_FUSED_MIN_QUERIES`` and fewer than ``INT8_FUSED_MAX_QUERIES`` (larger ones decode the rows once): H200, 1M rows,
 #: whole searches of 100 queries 1.16x / 1.62x / 1.99x / 2.27x faster than the float16 tiles at d = 128 / 384 / 768 /
@@ -192,6 +201,10 @@ class SearchSettings:
         The int8 tensor-core stage 1 over one 4-bit segment decodes each code tile in registers
         (:func:`~.int8_stage.group_max_kernel` with ``FUSED``); off: rows are decoded to a buffer first, chunk by
         chunk.
+    int8_row_loop : bool
+        The int8 stage 1 over rows of one channel step (:data:`INT8_ONE_STEP_CHANNELS`) runs one wave of programs
+        that each keep a query tile and loop over row tiles (:func:`~.int8_stage.group_max_loop_kernel`); off: one
+        program per tile.
     """
 
     cuda_graphs: bool = True
@@ -202,6 +215,7 @@ class SearchSettings:
     tile_permutes: bool = True
     matvec_dp4a: bool = True
     int8_fused: bool = True
+    int8_row_loop: bool = True
 
 
 _SETTINGS: ContextVar[SearchSettings] = ContextVar("tqvec_search_settings", default=SearchSettings())  # noqa: B039 - frozen
@@ -590,24 +604,43 @@ def _int8_group_maxima(q: torch.Tensor, block: CodeBlock, table: CodeTable, out:
     """Stage 1 on int8 tensor cores (:mod:`.int8_stage`): ``out`` ``(nq, cdiv(n, cfg.block_n))`` = each query's best
     estimate per group. One 4-bit segment (with :attr:`SearchSettings.int8_fused`): code tiles
     decoded in registers; else rows decoded in chunks of at most :data:`INT8_CHUNK_BYTES`."""
-    fused = settings().int8_fused and one_4bit_segment(table.layout) and q.shape[0] < INT8_FUSED_MAX_QUERIES
-    block_k = 32 if interpreting() else (FUSED_BLOCK_K if fused else INT8_BLOCK_K)
+    now = settings()
+    fused = now.int8_fused and one_4bit_segment(table.layout) and q.shape[0] < INT8_FUSED_MAX_QUERIES
+    if interpreting():
+        block_k = 32
+    elif fused or q.shape[1] > INT8_ONE_STEP_CHANNELS:
+        block_k = FUSED_BLOCK_K if fused else INT8_BLOCK_K
+    else:
+        block_k = _pow2_clamp(q.shape[1], INT8_BLOCK_K, INT8_ONE_STEP_CHANNELS)
     tile_rows = max(cfg.block_n, 32 if interpreting() else (FUSED_TILE_ROWS if fused else INT8_TILE_ROWS))
     channels = cdiv(q.shape[1], block_k) * block_k
     q8, qfac, abs_sum = _int8_queries(q, channels)
     grid, unit = _int8_grid(table)
     scale, bias = _scale_bias(block)
     nq, n = q.shape[0], len(block)
-    stages = 1 if interpreting() else (FUSED_STAGES if fused else INT8_STAGES)
     launch = {"K_PAD": channels, "NBYTES": table.layout.row_bytes, "HAS_BIAS": bias is not None, "BLOCK_Q": cfg.block_q,
-              "BLOCK_N": tile_rows, "GROUP_N": cfg.block_n, "BLOCK_K": block_k, "GROUP_Q": INT8_GROUP_Q, "FUSED": fused,
+              "BLOCK_N": tile_rows, "GROUP_N": cfg.block_n, "FUSED": fused,
               "ASM": _table_int8_asm(table, nibble_levels_asm) if fused else "",
-              "FAST_MAX_ABS_SUM": FAST_CONVERSION_MAX_ABS_SUM, "num_warps": cfg.num_warps, "num_stages": stages}
+              "FAST_MAX_ABS_SUM": FAST_CONVERSION_MAX_ABS_SUM, "num_warps": cfg.num_warps}
+    row_loop = now.int8_row_loop and channels == block_k
+    if row_loop:
+        launch.update(STAGES=1 if interpreting() else ROW_LOOP_STAGES, num_stages=1)
+    else:
+        launch.update(BLOCK_K=block_k, GROUP_Q=INT8_GROUP_Q,
+                      num_stages=1 if interpreting() else (FUSED_STAGES if fused else INT8_STAGES))
+
+    def group_maxima(rows: torch.Tensor, count: int, group0: int, row_scale: torch.Tensor, row_bias: torch.Tensor) -> None:
+        """Stage 1 over ``count`` rows at ``rows`` (codes or decoded levels), their maxima from group ``group0``."""
+        args = (q8, rows, row_scale, row_bias, qfac, abs_sum, grid, out, unit, nq, count, group0, q8.stride(0),
+                rows.stride(0), out.stride(0))
+        if row_loop:
+            _row_loop_group_maxima(args, q8.device, cdiv(nq, cfg.block_q), launch)
+        else:
+            group_max_kernel[(cdiv(nq, cfg.block_q) * cdiv(count, tile_rows),)](*args, **launch)
+
     bias_ptr = _dummy(bias, scale)
     if fused:
-        group_max_kernel[(cdiv(nq, cfg.block_q) * cdiv(n, tile_rows),)](
-            q8, block.packed, scale, bias_ptr, qfac, abs_sum, grid, out, unit, nq, n, 0, q8.stride(0), block.packed.stride(0),
-            out.stride(0), **launch)
+        group_maxima(block.packed, n, 0, scale, bias_ptr)
         return
     chunk = min(cdiv(n, tile_rows), max(1, INT8_CHUNK_BYTES // (channels * tile_rows))) * tile_rows
     decoded = torch.zeros(chunk, channels, dtype=torch.int8, device=q.device)
@@ -619,9 +652,25 @@ def _int8_group_maxima(q: torch.Tensor, block: CodeBlock, table: CodeTable, out:
             packed, grid, decoded, rows, packed.stride(0), decoded.stride(0), **segment_args(table.layout),
             BLOCK_N=decode_n, BLOCK_D=_pow2_clamp(max(d for d, _ in table.layout.segments), 8, 64), num_warps=4,
         )
-        group_max_kernel[(cdiv(nq, cfg.block_q) * cdiv(rows, tile_rows),)](
-            q8, decoded, scale[first:], bias_ptr if bias is None else bias[first:], qfac, abs_sum, grid, out, unit, nq, rows,
-            first // cfg.block_n, q8.stride(0), decoded.stride(0), out.stride(0), **launch)
+        group_maxima(decoded, rows, first // cfg.block_n, scale[first:], bias_ptr if bias is None else bias[first:])
+
+
+#: blocks per multiprocessor of :func:`~.int8_stage.group_max_loop_kernel`, by device and launch settings
+_ROW_LOOP_BLOCKS: dict[tuple, int] = {}
+
+
+def _row_loop_group_maxima(args: tuple, device: torch.device, q_tiles: int, launch: dict) -> None:
+    """Launch :func:`~.int8_stage.group_max_loop_kernel` on ``args`` (:func:`~.int8_stage.group_max_kernel`'s runtime
+    arguments, ``q_tiles`` query tiles) as one wave: as many programs as the multiprocessors of ``device`` hold at
+    once, a whole number of lanes per query tile (at least one; two under the interpreter)."""
+    if interpreting():
+        lanes = 2
+    else:
+        key = (device, *sorted(launch.items()))
+        if key not in _ROW_LOOP_BLOCKS:
+            _ROW_LOOP_BLOCKS[key] = resident_blocks(group_max_loop_kernel.warmup(*args, 1, grid=(1,), **launch), device)
+        lanes = max(1, multiprocessors(device) * _ROW_LOOP_BLOCKS[key] // q_tiles)
+    group_max_loop_kernel[(q_tiles * lanes,)](*args, lanes, **launch)
 
 
 def _topk_block() -> int | None:

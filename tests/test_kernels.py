@@ -279,6 +279,31 @@ def test_int8_stage_turns_products_into_the_same_floats_either_way(monkeypatch: 
 
 
 @pytest.mark.parametrize("stage", ["decoded", "fused"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("limit", [None, -1])
+def test_int8_row_loop_equals_one_program_per_tile(monkeypatch: pytest.MonkeyPatch, stage: str, bias: bool, group: int,
+                                                   limit: int | None) -> None:
+    """Rows of one channel step (24 channels: one 32-channel step under the interpreter) take the row-tile loop
+    (:func:`~tqvec.kernels.int8_stage.group_max_loop_kernel`: two query tiles, two lanes each, the last of 10 row
+    tiles ragged): its group maxima are the same floats as one program per tile gives, with the products read by
+    subtraction or (a limit of -1) converted, and the search's answer is the reference's."""
+    monkeypatch.setattr(ops, "INT8_CHUNK_BYTES", 3 * 32 * 64)
+    if limit is not None:
+        monkeypatch.setattr(ops, "FAST_CONVERSION_MAX_ABS_SUM", limit)
+    tq, cpu_block, dev_block, rotated, _ = make_case(4, "mse", 24, n=300, nq=20, bias=bias)
+    changes, config = stage1_config(stage, group)
+    maxima = {}
+    for row_loop in (True, False):
+        with ops.configured(**changes, int8_row_loop=row_loop):
+            maxima[row_loop] = ops.group_maxima(dev(rotated), None, dev_block, tq.table(KERNEL_DEVICE), config).cpu()
+            got = ops.search(dev(rotated), dev_block, tq.table(KERNEL_DEVICE), 7, config=config)
+        assert_topk_equal(got, scan.search(rotated, cpu_block, tq.table("cpu"), 7),
+                          scan.scores(rotated, cpu_block, tq.table("cpu")))
+    assert torch.isfinite(maxima[True]).all() and torch.equal(maxima[True], maxima[False])
+
+
+@pytest.mark.parametrize("stage", ["decoded", "fused"])
 @pytest.mark.parametrize("group", [16, 32])
 @pytest.mark.parametrize("dim", [256, 512])
 def test_int8_stage_products_are_exact_on_both_sides_of_the_limit(stage: str, group: int, dim: int) -> None:
