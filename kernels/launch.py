@@ -61,7 +61,8 @@ def resident_blocks(kernel: Any, device: torch.device) -> int:
     props = torch.cuda.get_device_properties(device)
     threads = kernel.metadata.num_warps * props.warp_size
     registers = -(-kernel.n_regs // 8) * 8 * threads
-    return min(props.regs_per_multiprocessor // registers,
+    # 64K registers per multiprocessor on every NVIDIA GPU since Kepler; some torch builds do not report it
+    return min(getattr(props, "regs_per_multiprocessor", 65536) // registers,
                props.shared_memory_per_multiprocessor // (kernel.metadata.shared + 1024),
                props.max_threads_per_multi_processor // threads)
 
