@@ -444,8 +444,8 @@ class BoundDecodeStep:
         self._batch_heads = tuple(key_mean.shape[:2])
         self._rotations = (_array(key_rotation, np.float32), _array(value_back, np.float32), key_rotation.shape[-1],
                            value_back.shape[-2])
-        self._keys = [(plan.handle, self._heads(codes), scale, int(dim)) for codes, scale, plan, dim in keys]
-        self._values = [(plan.handle, self._heads(codes), scale, int(dim)) for codes, scale, plan, dim in values]
+        coded = lambda parts: [(plan.handle, self._heads(codes), scale, int(dim)) for codes, scale, plan, dim in parts]  # noqa: E731
+        self._keys, self._values = coded(keys), coded(values)
         self._means = self._heads(key_mean.float()), self._heads(value_mean.float())
         self._sinks = self._heads(sinks[0].float()), self._heads(sinks[1].float())
 

@@ -361,12 +361,27 @@ def _coded_state(a: DecodeAttention, q_rot: torch.Tensor, valid: torch.Tensor | 
     return state
 
 
-def _attend_native(a: DecodeAttention) -> torch.Tensor:
-    """:func:`attend` by the native kernel (:func:`tqvec._fastscan.decode_step`)."""
+def native_attends(queries: torch.Tensor) -> bool:
+    """Whether :func:`attend` runs the native kernel for ``queries``: on the CPU, the extension built and not switched
+    off (:func:`tqvec._fastscan.set_cpu_kernel`)."""
+    return queries.device.type == "cpu" and _fastscan.available() and _fastscan.cpu_kernel() != "torch"
+
+
+def bind_native_step(a: DecodeAttention) -> _fastscan.BoundDecodeStep:
+    """The native step (:class:`tqvec._fastscan.BoundDecodeStep`) bound to ``a``'s codes, rotations, means and sinks;
+    calling it with ``a``'s scaled queries, ``n_codes``, window and mask gives :func:`attend`'s output (float32).
+
+    Example: ``bind_native_step(a)(a.queries.float() * a.scaling, a.n_codes, (a.window_keys, a.window_values),
+    a.valid)``; a cache layer keeps the bound step while its buffers stay (:mod:`tqvec.kv.attention`).
+    """
     segments = lambda parts: [(c.packed, c.scale, c.table.native_plan(), c.table.layout.dim) for c in parts]  # noqa: E731
-    out = _fastscan.decode_step(a.queries.float() * a.scaling, a.key_rotation, a.value_back, segments(a.key_parts),
-                                segments(a.value_parts), a.n_codes, a.key_mean, a.value_mean,
-                                (a.sink_keys, a.sink_values), (a.window_keys, a.window_values), a.valid)
+    return _fastscan.BoundDecodeStep(a.key_rotation, a.value_back, segments(a.key_parts), segments(a.value_parts),
+                                     a.key_mean, a.value_mean, (a.sink_keys, a.sink_values))
+
+
+def _attend_native(a: DecodeAttention) -> torch.Tensor:
+    """:func:`attend` by the native kernel (:func:`bind_native_step`)."""
+    out = bind_native_step(a)(a.queries.float() * a.scaling, a.n_codes, (a.window_keys, a.window_values), a.valid)
     return out.to(a.queries.dtype)
 
 
@@ -414,6 +429,6 @@ def attend(a: DecodeAttention) -> torch.Tensor:
         from .kernels import attention  # noqa: PLC0415 - Triton is optional and CUDA-only
 
         return attention.decode_attention(a)
-    if _fastscan.available() and _fastscan.cpu_kernel() != "torch" and a.queries.device.type == "cpu":
+    if native_attends(a.queries):
         return _attend_native(a)
     return _attend_torch(a)

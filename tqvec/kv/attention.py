@@ -63,7 +63,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .. import _fastscan, scan
+from .. import scan
 from ..quantizer import TurboQuantizer
 from .cache import CompressedKV
 from .codec import HeadCodec
@@ -194,8 +194,7 @@ def _bound_step(layer: object, anchors: tuple, settings: tuple, make: Callable[[
     b, hq, _, d = query.shape
     settings = (b, hq, d, *settings)
     held = _LAUNCHES.get(layer)
-    if (held is not None and held[1] == settings and held[2].tuning == kernel.tuning()
-            and all(x is y for x, y in zip(held[0], anchors))):
+    if held is not None and held[1] == settings and held[2].tuning == kernel.tuning() and _same(held[0], anchors):
         launch = held[2]
     else:
         launch = kernel.DecodeLaunch(make())
@@ -205,6 +204,19 @@ def _bound_step(layer: object, anchors: tuple, settings: tuple, make: Callable[[
             _LAUNCHES[layer] = (anchors, settings, launch)
     h_kv = window_keys.shape[1]
     return launch(query.reshape(b, h_kv, hq // h_kv, d), window_keys, window_values, n_codes, valid).reshape(query.shape)
+
+
+def _same(held: tuple, anchors: tuple) -> bool:
+    """Whether a bound step's anchors are still the very tensors (and field lists) ``anchors`` holds."""
+    return all(x is y for x, y in zip(held, anchors))
+
+
+def _anchors(handle: CompressedKV) -> tuple:
+    """What a layer's bound step (:func:`_kernel_decode`, :func:`_native_decode`) reads in place or converted once:
+    the layer's code fields, sinks and means, each replaced (never written over) when the layer changes it."""
+    layer = handle.layer
+    return (layer.key_store.fields, layer.value_store.fields, handle.sink_keys, handle.sink_values, layer.key_mean,
+            layer.value_mean)
 
 
 def forget_launch(layer: object) -> None:
@@ -221,35 +233,25 @@ def _kernel_decode(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor
     codes (a growth, a batch reorder, a reset) or its sinks, or when the query's shape, the mask's presence, the
     scaling or the kernels' tuning constants change. Between, the codes grow in place and the launch reads ``n_codes``
     per step."""
-    layer = handle.layer
     valid = _valid(mask, query)
-    anchors = (layer.key_store.fields, layer.value_store.fields, handle.sink_keys, handle.sink_values, layer.key_mean,
-               layer.value_mean)
-    return _bound_step(layer, anchors, (valid is None, scaling), lambda: _decode_attention(handle, query, valid, scaling),
+    return _bound_step(handle.layer, _anchors(handle), (valid is None, scaling), lambda: _decode_attention(handle, query, valid, scaling),
                        query, handle.keys, handle.values, handle.n_codes, valid)
 
 
 def _native_decodes(handle: CompressedKV, query: torch.Tensor) -> bool:
     """Whether :func:`_native_decode` serves this step: one that :func:`decode_step` serves, on the CPU, where
     :func:`tqvec.scan.attend` would take the native kernel."""
-    return (query.device.type == "cpu" and _fastscan.available() and _fastscan.cpu_kernel() != "torch"
-            and _decodes(handle, query))
+    return scan.native_attends(query) and _decodes(handle, query)
 
 
 def _native_decode(handle: CompressedKV, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
     """Output ``(b, hq, 1, d)`` of a one-token CPU step by the native kernel, through the layer's
     :class:`tqvec._fastscan.BoundDecodeStep`: bound again when the cache replaces its codes (a growth, a batch reorder,
     a reset), its sinks or its means; between, the codes grow in place and each step passes ``n_codes``."""
-    layer = handle.layer
-    anchors = (layer.key_store.fields, layer.value_store.fields, handle.sink_keys, handle.sink_values, layer.key_mean,
-               layer.value_mean)
+    layer, anchors = handle.layer, _anchors(handle)
     held = _NATIVE_STEPS.get(layer)
-    if held is None or not all(x is y for x, y in zip(held[0], anchors)):
-        a = _decode_attention(handle, query, None, scaling)
-        segments = lambda parts: [(c.packed, c.scale, c.table.native_plan(), c.table.layout.dim) for c in parts]  # noqa: E731
-        held = anchors, _fastscan.BoundDecodeStep(a.key_rotation, a.value_back, segments(a.key_parts),
-                                                  segments(a.value_parts), a.key_mean, a.value_mean,
-                                                  (a.sink_keys, a.sink_values))
+    if held is None or not _same(held[0], anchors):
+        held = anchors, scan.bind_native_step(_decode_attention(handle, query, None, scaling))
         _NATIVE_STEPS[layer] = held
     b, hq, _, d = query.shape
     h_kv = handle.keys.shape[1]
