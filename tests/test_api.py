@@ -115,7 +115,8 @@ def test_cli_lists_every_benchmark_and_the_demo(capsys: pytest.CaptureFixture[st
 
 @pytest.mark.parametrize("module", ["tqvec.files", "tqvec.index", "tqvec.ivf", "tqvec.quantizer", "tqvec.validation",
                                     "tqvec.rotation", "tqvec.storage", "tqvec._fastscan", "tqvec.kv._requirements",
-                                    "tqvec.codebook", "tqvec.kv.codec", "tqvec.kv.attention", "tqvec.bench._cli"])
+                                    "tqvec.codebook", "tqvec.kv.codec", "tqvec.kv.attention", "tqvec.bench._cli",
+                                    "tqvec.bench.kernel_ab"])
 def test_docstring_examples_run(module: str) -> None:
     import doctest
 
