@@ -29,6 +29,10 @@ from typing import IO
 import torch
 import triton
 
+from tqvec.kernels import ops
+
+from . import gpu_scan
+
 #: queries whose ids every variant must match (the first variant's)
 SAME_IDS_QUERIES = 200
 #: ``tqvec.kernels`` modules whose compiled kernels the last line lists
@@ -106,8 +110,6 @@ def parse_variant(tokens: list[str]) -> Variant:
 @contextlib.contextmanager
 def constants_set(settings: dict[tuple[str, str], object]) -> Iterator[None]:
     """Set the constants for the block, then restore them; captured search graphs are dropped on both sides."""
-    from tqvec.kernels import ops
-
     saved = {key: getattr(_module(key[0]), key[1]) for key in settings}
     for (module, attribute), value in settings.items():
         setattr(_module(module), attribute, value)
@@ -143,25 +145,22 @@ def _log(out: IO[str], **row: object) -> None:
     print(json.dumps(row), flush=True)
 
 
-def run_shape(db: object, queries: torch.Tensor, nq: int, variants: list[Variant], rounds: int, out: IO[str]) -> None:
-    """Time every variant on ``nq`` of ``queries`` over ``db`` (a :class:`gpu_scan.Database`) and log the rows."""
-    from tqvec.kernels import ops
-
-    from . import gpu_scan as g
-
+def run_shape(db: gpu_scan.Database, queries: torch.Tensor, nq: int, variants: list[Variant], rounds: int,
+              out: IO[str]) -> None:
+    """Time every variant on ``nq`` of ``queries`` over ``db`` and log the rows (:func:`_log`)."""
     bits = next(iter(db.blocks))
     tq, block = db.quantizers[bits], db.blocks[bits]
     table = tq.table("cuda")
-    matmul = g.time_ms(lambda: g.bf16_matmul(queries[:nq].to(torch.bfloat16), db.x_bf16))
+    matmul = gpu_scan.time_ms(lambda: gpu_scan.bf16_matmul(queries[:nq].to(torch.bfloat16), db.x_bf16))
     rotated = tq.rotate_queries(queries[:nq])[0]
     ids: dict[str, torch.Tensor] = {}
     for rnd in range(rounds):
         for variant in variants if rnd % 2 == 0 else variants[::-1]:
             try:
                 with constants_set(variant.settings):
-                    ms = g.time_ms(lambda: ops.search(rotated, block, table, g.K))
-                    stage1 = g.stage1_ms(rotated, block, table)
-                    ids.setdefault(variant.name, ops.search(rotated[:SAME_IDS_QUERIES], block, table, g.K)[1].cpu())
+                    ms = gpu_scan.time_ms(lambda: ops.search(rotated, block, table, gpu_scan.K))
+                    stage1 = gpu_scan.stage1_ms(rotated, block, table)
+                    ids.setdefault(variant.name, ops.search(rotated[:SAME_IDS_QUERIES], block, table, gpu_scan.K)[1].cpu())
                 _log(out, d=db.d, nq=nq, variant=variant.name, round=rnd, search_ms=ms, stage1_ms=stage1,
                      matmul_ms=matmul, vs_matmul=matmul / ms)
             except Exception as exc:  # noqa: BLE001 - a variant that fails is a result of the run
@@ -191,10 +190,6 @@ def main(argv: list[str] | None = None) -> None:
         p.error("variant names must differ")
     if not torch.cuda.is_available():
         raise SystemExit("tqvec bench kernel-ab needs a CUDA device")
-    from tqvec.kernels import ops
-
-    from . import gpu_scan as g
-
     bits = int(args.bits) if float(args.bits).is_integer() else args.bits
     started = time.time()
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -204,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         for d in sorted({d for d, _ in shapes}):
             queries = torch.randn(max(nq for dd, nq in shapes if dd == d), d, device="cuda",
                                   generator=torch.Generator(device="cuda").manual_seed(7))
-            db = g.Database(args.rows, d, (bits,), queries)
+            db = gpu_scan.Database(args.rows, d, (bits,), queries)
             for nq in (nq for dd, nq in shapes if dd == d):
                 run_shape(db, queries, nq, variants, args.rounds, out)
             del db, queries
