@@ -17,7 +17,8 @@ Search runs in two stages and never writes the ``(nq, n)`` score matrix:
    (:data:`INT8_MIN_QUERIES`) go through :mod:`.int8_stage` instead: rows decoded once per search to int8
    levels, queries scaled by ``127 / max|q|`` and rounded to int8, int32 products on tensor cores; over one 4-bit
    segment, batches of more than :data:`INT8_FUSED_MIN_QUERIES` and fewer than :data:`INT8_FUSED_MAX_QUERIES`
-   decode each code tile in registers instead (:attr:`SearchSettings.int8_fused`); rows of one channel step
+   decode each code tile in registers instead (:attr:`SearchSettings.int8_fused`; on Hopper GPUs, over two or more
+   channel steps, by :mod:`.hopper_stage` in Gluon, :attr:`SearchSettings.int8_hopper`); rows of one channel step
    (:data:`INT8_ONE_STEP_CHANNELS`) run one wave of programs that loop over row tiles
    (:attr:`SearchSettings.int8_row_loop`).
 2. :func:`~.topk.row_topk` (Triton, exact up to the order of ties; see :mod:`.topk`) picks the
@@ -68,6 +69,11 @@ from .int8_stage import FAST_CONVERSION_MAX_ABS_SUM, decode_kernel, group_max_ke
 from .launch import Launcher, cdiv, multiprocessors, pow2, resident_blocks
 from .scan_kernel import half_queries_kernel, matvec_kernel, refine_kernel, tile_kernel
 from .unpack import one_4bit_segment, table_nibble_pair_asm
+
+try:  # Gluon (Triton 3.6 on); without it the fused int8 stage 1 runs the Triton kernel on every GPU
+    from . import hopper_stage
+except ImportError:
+    hopper_stage = None
 
 __all__ = ["SearchSettings", "capture_graph", "clear_graphs", "configured", "encode", "scores", "search", "settings"]
 
@@ -129,6 +135,12 @@ INT8_FUSED_MAX_QUERIES = 512
 FUSED_TILE_ROWS = 128
 FUSED_BLOCK_K = 128
 FUSED_STAGES = 3
+#: fewest channel steps of :data:`FUSED_BLOCK_K` for which the fused stage 1 runs the Gluon kernel on Hopper
+#: (:attr:`SearchSettings.int8_hopper`)
+HOPPER_MIN_STEPS = 2
+#: its blocks per multiprocessor (registers and shared memory allow two; tests/test_hopper_stage.py): it runs as one
+#: wave of that many programs per multiprocessor, each looping over row tiles
+HOPPER_BLOCKS_PER_SM = 2
 #: fewest channels per ``tl.dot`` step of the tile kernel: with 16, Triton 3.6 computed wrong tensor-core scores on
 #: the H200 (relative error ~1 for 4-bit codes, float16 and float32 operands alike; 32 and 64 exact)
 MIN_BLOCK_D = 32
@@ -205,6 +217,10 @@ class SearchSettings:
         The int8 stage 1 over rows of one channel step (:data:`INT8_ONE_STEP_CHANNELS`) runs one wave of programs
         that each keep a query tile and loop over row tiles (:func:`~.int8_stage.group_max_loop_kernel`); off: one
         program per tile.
+    int8_hopper : bool
+        On Hopper GPUs (compute capability 9.0) the fused int8 stage 1 over at least :data:`HOPPER_MIN_STEPS`
+        channel steps runs :func:`~.hopper_stage.group_max_kernel` (Gluon: products issued asynchronously while
+        the next step decodes); off: the Triton kernel.
     """
 
     cuda_graphs: bool = True
@@ -216,6 +232,7 @@ class SearchSettings:
     matvec_dp4a: bool = True
     int8_fused: bool = True
     int8_row_loop: bool = True
+    int8_hopper: bool = True
 
 
 _SETTINGS: ContextVar[SearchSettings] = ContextVar("tqvec_search_settings", default=SearchSettings())  # noqa: B039 - frozen
@@ -639,6 +656,16 @@ def _int8_group_maxima(q: torch.Tensor, block: CodeBlock, table: CodeTable, out:
             group_max_kernel[(cdiv(nq, cfg.block_q) * cdiv(count, tile_rows),)](*args, **launch)
 
     bias_ptr = _dummy(bias, scale)
+    if fused and _hopper_stage_serves(q8, block.packed, channels // block_k, cfg.block_q, tile_rows):
+        q_tiles = cdiv(nq, cfg.block_q)
+        lanes = min(cdiv(n, tile_rows), max(1, multiprocessors(q8.device) * HOPPER_BLOCKS_PER_SM // q_tiles))
+        hopper_stage.group_max_kernel[(q_tiles * lanes,)](
+            q8, block.packed, scale, bias_ptr, qfac, abs_sum, out, unit, nq, n, q8.stride(0), block.packed.stride(0),
+            out.stride(0), K_PAD=channels, NBYTES=launch["NBYTES"], HAS_BIAS=bias is not None, GROUP_N=cfg.block_n,
+            STAGES=FUSED_STAGES, ASM=launch["ASM"], FAST_MAX_ABS_SUM=FAST_CONVERSION_MAX_ABS_SUM,
+            num_warps=hopper_stage.NUM_WARPS,
+        )
+        return
     if fused:
         group_maxima(block.packed, n, 0, scale, bias_ptr)
         return
@@ -653,6 +680,16 @@ def _int8_group_maxima(q: torch.Tensor, block: CodeBlock, table: CodeTable, out:
             BLOCK_N=decode_n, BLOCK_D=_pow2_clamp(max(d for d, _ in table.layout.segments), 8, 64), num_warps=4,
         )
         group_maxima(decoded, rows, first // cfg.block_n, scale[first:], bias_ptr if bias is None else bias[first:])
+
+
+def _hopper_stage_serves(q8: torch.Tensor, codes: torch.Tensor, steps: int, block_q: int, tile_rows: int) -> bool:
+    """Whether the fused int8 stage 1 runs :func:`~.hopper_stage.group_max_kernel`: Gluon importable, a Hopper GPU
+    (not the interpreter), :attr:`SearchSettings.int8_hopper`, at least :data:`HOPPER_MIN_STEPS` channel steps, the
+    kernel's tile and code rows 16-byte aligned (its copies move 16 bytes at a time)."""
+    return (hopper_stage is not None and not interpreting() and settings().int8_hopper and steps >= HOPPER_MIN_STEPS
+            and q8.is_cuda and torch.cuda.get_device_capability(q8.device) == (9, 0)
+            and (block_q, tile_rows) == (hopper_stage.BLOCK_Q, hopper_stage.BLOCK_N)
+            and codes.stride(0) % 16 == 0 and codes.data_ptr() % 16 == 0)
 
 
 #: blocks per multiprocessor of :func:`~.int8_stage.group_max_loop_kernel`, by device and launch settings

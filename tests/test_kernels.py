@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_env import KERNEL_DEVICE, needs_kernels
+from kernel_env import INTERPRET, KERNEL_DEVICE, needs_kernels
 
 from tqvec import TurboQuantizer, scan
 from tqvec.kernels import ops
@@ -276,6 +276,41 @@ def test_int8_stage_turns_products_into_the_same_floats_either_way(monkeypatch: 
         monkeypatch.setattr(ops, "FAST_CONVERSION_MAX_ABS_SUM", -1)
         converted = ops.group_maxima(dev(rotated), None, dev_block, tq.table(KERNEL_DEVICE), config).cpu()
     assert torch.isfinite(fast).all() and torch.equal(fast, converted)
+
+
+HOPPER = (not INTERPRET and ops.hopper_stage is not None and torch.cuda.is_available()
+          and torch.cuda.get_device_capability() == (9, 0))
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon stage 1 runs on Hopper GPUs (CI compiles it: test_hopper_stage.py)")
+@pytest.mark.parametrize("dim,nq,n,bias,group,limit,multiprocessors", [
+    (256, 17, 1000, False, 64, None, 1), (256, 17, 1000, True, 128, -1, None), (320, 100, 777, True, 64, None, None),
+    (320, 100, 777, False, 128, -1, 1), (384, 200, 1300, True, 64, -1, 1), (768, 100, 513, False, 64, None, None)])
+def test_hopper_stage_equals_triton_kernel(monkeypatch: pytest.MonkeyPatch, dim: int, nq: int, n: int, bias: bool,
+                                           group: int, limit: int | None, multiprocessors: int | None) -> None:
+    """On Hopper the fused int8 stage 1 over two or more 128-channel steps runs the Gluon kernel
+    (:mod:`tqvec.kernels.hopper_stage`; 320 channels: the last step runs past the row, 200 queries: two query tiles,
+    ragged last row tiles; launched as if the GPU had one multiprocessor, each program loops over several row tiles
+    and its copies run ahead across them): its group maxima are the same floats as the Triton kernel's, with the
+    products read by subtraction or (a limit of -1) converted, and the search's answer is the reference's."""
+    if limit is not None:
+        monkeypatch.setattr(ops, "FAST_CONVERSION_MAX_ABS_SUM", limit)
+    if multiprocessors is not None:
+        monkeypatch.setattr(ops, "multiprocessors", lambda device: multiprocessors)
+    served = []
+    serves = ops._hopper_stage_serves
+    monkeypatch.setattr(ops, "_hopper_stage_serves", lambda *args: served.append(serves(*args)) or served[-1])
+    tq, cpu_block, dev_block, rotated, _ = make_case(4, "mse", dim, n=n, nq=nq, bias=bias)
+    config = ops.TileConfig(128, group, 32, int8=True)
+    maxima = {}
+    for hopper in (True, False):
+        with ops.configured(int8_hopper=hopper):
+            maxima[hopper] = ops.group_maxima(dev(rotated), None, dev_block, tq.table(KERNEL_DEVICE), config).cpu()
+            got = ops.search(dev(rotated), dev_block, tq.table(KERNEL_DEVICE), 7, config=config)
+        assert_topk_equal(got, scan.search(rotated, cpu_block, tq.table("cpu"), 7),
+                          scan.scores(rotated, cpu_block, tq.table("cpu")))
+    assert served[0] and not served[-1]
+    assert torch.isfinite(maxima[True]).all() and torch.equal(maxima[True], maxima[False])
 
 
 @pytest.mark.parametrize("stage", ["decoded", "fused"])

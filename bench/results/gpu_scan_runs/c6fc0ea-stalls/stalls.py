@@ -1,0 +1,42 @@
+"""Where the fused int8 stage 1's warps wait (1M x 384, 100 queries, H100): the stall reasons of
+h100/ncu_stalls_384_100.csv (per issued instruction) and of the per-instruction samples in h100/ncu_sass_384_100.csv
+(share of all samples, the instructions with the most). ``python3 stalls.py`` from this folder."""
+import csv
+import re
+from collections import Counter
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+
+def table(path: Path, first: str) -> list[dict[str, str]]:
+    lines = path.read_text().splitlines()
+    return list(csv.DictReader(lines[next(i for i, line in enumerate(lines) if line.startswith(first)):]))
+
+
+def number(text: str) -> float:
+    return float(text.replace(",", "")) if text else 0.0
+
+
+row = next(r for r in table(HERE / "h100" / "ncu_stalls_384_100.csv", '"ID"') if r["Kernel Name"] == "group_max_kernel")
+print(f"group_max_kernel {number(row['gpu__time_duration.sum']) / 1000:.1f} us, issue slots busy "
+      f"{row['smsp__issue_active.avg.pct_of_peak_sustained_active']}%")
+reasons = {k.split("stalled_")[1].split("_per_issue")[0]: number(v) for k, v in row.items() if "issue_stalled" in k}
+print("warp cycles per issued instruction:", round(sum(reasons.values()), 2))
+for name, value in sorted(reasons.items(), key=lambda kv: -kv[1])[:8]:
+    print(f"  {name:<18} {value:.2f}")
+
+samples = table(HERE / "h100" / "ncu_sass_384_100.csv", '"Address"')
+total = sum(number(r["Warp Stall Sampling (All Samples)"]) for r in samples)
+columns = [c for c in samples[0] if c.startswith("stall_") and "Not Issued" not in c]
+by_reason = Counter()
+for r in samples:
+    for c in columns:
+        by_reason[c[6:]] += number(r[c])
+print(f"{total:.0f} samples; by reason (%):", {k: round(100 * v / total, 1) for k, v in by_reason.most_common(6)})
+print("instructions with the most samples (% of all, main reason):")
+for r in sorted(samples, key=lambda r: -number(r["Warp Stall Sampling (All Samples)"]))[:8]:
+    share = 100 * number(r["Warp Stall Sampling (All Samples)"]) / total
+    reason = max(columns, key=lambda c: number(r[c]))[6:]
+    source = re.sub(r"\s+", " ", r["Source"].strip())[:58]
+    print(f"  {source:<58} {share:5.2f}  {reason}")

@@ -1,0 +1,151 @@
+"""The fused int8 stage 1 on Hopper, in Gluon: a wave of programs that loop over row tiles, their products issued
+asynchronously.
+
+:func:`~.int8_stage.group_max_kernel` with ``FUSED`` (Triton) runs one program per tile, and each 128-channel step as
+one chain: wait for the step's copies, decode the codes, store the levels to shared memory, issue the tensor-core
+products, wait for them (Triton makes a ``tl.dot`` asynchronous only when both operands come from pipelined loads; here
+one is computed in registers). Sampled on an H100 at 1M × 384 with 100 queries, its warps stalled most on the products'
+wait and on each new tile's first copies (docs/gpu.md). :func:`group_max_kernel` computes the same maxima as one wave
+of programs (:data:`~.ops.HOPPER_BLOCKS_PER_SM` per multiprocessor), each keeping a query tile and looping over row
+tiles: the copies of queries and codes run ``STAGES - 1`` channel steps ahead through a ring of buffers, across row
+tiles, and a step's products (``wgmma``) are waited for only after the next step has decoded into the other of two
+level buffers. Gluon kernels do not run under ``TRITON_INTERPRET=1``: CI compiles this one for sm_90a and checks that
+structure in its machine code (tests/test_hopper_stage.py); on a Hopper GPU the tests compare its maxima with the Triton
+kernel's.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .int8_stage import ACC_BIAS, ACC_BIAS_FLOAT
+
+#: the asynchronous global → shared copy (``async_load`` in newer Triton, ``async_copy_global_to_shared`` in 3.6)
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+#: a barrier of the block's threads (``barrier`` in newer Triton, ``thread_barrier`` in 3.6)
+_block_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+#: queries and rows per tile and channels per step of :func:`group_max_kernel`, launched with ``NUM_WARPS`` warps (one
+#: warpgroup)
+BLOCK_Q = gl.constexpr(128)
+BLOCK_N = gl.constexpr(128)
+BLOCK_K = gl.constexpr(128)
+NUM_WARPS = 4
+
+
+@gluon.jit
+def _issue_step(q_ptr, codes_ptr, q_smem, c_smem, offs_q, q_mask, first_tile, lanes, n, g, total, stride_q,
+                stride_rows, NBYTES: gl.constexpr, STEPS: gl.constexpr, STAGES: gl.constexpr, Q_LOAD: gl.constexpr,
+                C_LOAD: gl.constexpr):
+    """Start the asynchronous copies of the program's step ``g`` (row tile ``first_tile + (g // STEPS) · lanes``,
+    channel step ``g % STEPS``): its query tile and code tile into ring buffer ``g % STAGES``, nothing from ``total``
+    on (the copy group is committed either way)."""
+    buf = g % STAGES
+    live = g < total
+    step = g % STEPS
+    rows = (first_tile + (g // STEPS) * lanes) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, C_LOAD))
+    channel = step * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, Q_LOAD))
+    q_ptrs = q_ptr + offs_q.to(gl.int64)[:, None] * stride_q + channel[None, :]
+    _async_load(q_smem.index(buf), q_ptrs, mask=q_mask[:, None] & live)
+    byte = step * (BLOCK_K // 2) + gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, C_LOAD))
+    c_ptrs = codes_ptr + rows.to(gl.int64)[:, None] * stride_rows + byte[None, :]
+    _async_load(c_smem.index(buf), c_ptrs, mask=(rows < n)[:, None] & (byte < NBYTES)[None, :] & live)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def group_max_kernel(
+    q_ptr, codes_ptr, scale_ptr, bias_ptr, qfac_ptr, abs_sum_ptr, out_ptr, unit_ptr,
+    nq, n, stride_q, stride_rows, stride_out,
+    K_PAD: gl.constexpr, NBYTES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_N: gl.constexpr, STAGES: gl.constexpr,
+    ASM: gl.constexpr, FAST_MAX_ABS_SUM: gl.constexpr,
+):
+    """:func:`~.int8_stage.group_max_kernel`'s maxima with ``FUSED`` (its arguments less ``grid_ptr``, ``group0`` and
+    ``GROUP_Q``; ``ASM`` required): ``out[q, g]`` = max over the rows ``i`` of group ``g`` of ``unit / qfac[q] ·
+    scale[i] · ⟨q8, r8_i⟩ + bias[i]``, the rows ``r8`` decoded from one 4-bit segment of ``NBYTES`` bytes per row
+    (``codes_ptr``, rows 16-byte aligned), the queries ``q8`` int8 ``(nq, K_PAD)``, ``K_PAD`` a multiple of
+    :data:`BLOCK_K`. Tiles of :data:`BLOCK_Q` queries × :data:`BLOCK_N` rows, launched with :data:`NUM_WARPS` warps
+    and a multiple of the query tiles as programs: program ``p`` takes query tile ``p % n_q_tiles`` and row tiles
+    ``p // n_q_tiles``, ``+ lanes``, … (``lanes`` = programs / query tiles), its copies running ``STAGES - 1``
+    channel steps ahead across row tiles."""
+    STEPS: gl.constexpr = K_PAD // BLOCK_K
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+    Q_LOAD: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+    C_LOAD: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    C_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    ONE_D: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+
+    n_q_tiles = gl.cdiv(nq, BLOCK_Q)
+    lanes = gl.num_programs(0) // n_q_tiles
+    q_tile = gl.program_id(0) % n_q_tiles
+    first_tile = gl.program_id(0) // n_q_tiles
+    my_tiles = gl.cdiv(gl.cdiv(n, BLOCK_N) - first_tile, lanes)
+    total = my_tiles * STEPS
+
+    q_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_Q, BLOCK_K], Q_SMEM)
+    c_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, BLOCK_K // 2], C_SMEM)
+    levels_smem = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N, BLOCK_K], Q_SMEM)
+
+    offs_q_load = q_tile * BLOCK_Q + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, Q_LOAD))
+    q_mask_load = offs_q_load < nq
+    for ahead in gl.static_range(STAGES - 1):
+        _issue_step(q_ptr, codes_ptr, q_smem, c_smem, offs_q_load, q_mask_load, first_tile, lanes, n, ahead, total,
+                    stride_q, stride_rows, NBYTES, STEPS, STAGES, Q_LOAD, C_LOAD)
+
+    # the query tile's terms, once per program
+    offs_q = q_tile * BLOCK_Q + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, MMA))
+    q_mask = offs_q < nq
+    fast = gl.max(gl.load(abs_sum_ptr + offs_q, mask=q_mask, other=0), axis=0) <= FAST_MAX_ABS_SUM
+    per_query = gl.load(unit_ptr) / gl.load(qfac_ptr + offs_q, mask=q_mask, other=1.0)
+    GROUPS: gl.constexpr = BLOCK_N // GROUP_N
+
+    for i in range(my_tiles):
+        row_tile = first_tile + i * lanes
+        # the tile's row terms, one value per thread until after the products
+        rows_1d = row_tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=ONE_D)
+        scale_1d = gl.load(scale_ptr + rows_1d, mask=rows_1d < n, other=0.0)
+        if HAS_BIAS:
+            bias_1d = gl.load(bias_ptr + rows_1d, mask=rows_1d < n, other=0.0)
+        acc = gl.full([BLOCK_Q, BLOCK_N], ACC_BIAS, gl.int32, layout=MMA)
+        for step in range(STEPS):
+            g = i * STEPS + step
+            async_copy.wait_group(STAGES - 2)
+            raw = c_smem.index(g % STAGES).load(C_LOAD)
+            low, high = gl.inline_asm_elementwise(ASM, "=r,=r,r", [raw], dtype=(gl.int8, gl.int8), is_pure=True,
+                                                  pack=4)
+            level_buf = levels_smem.index(g % 2)
+            level_buf.store(gl.reshape(gl.join(low, high), [BLOCK_N, BLOCK_K]))
+            fence_async_shared()
+            _block_barrier()
+            acc = warpgroup_mma(q_smem.index(g % STAGES), level_buf.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            _issue_step(q_ptr, codes_ptr, q_smem, c_smem, offs_q_load, q_mask_load, first_tile, lanes, n,
+                        g + STAGES - 1, total, stride_q, stride_rows, NBYTES, STEPS, STAGES, Q_LOAD, C_LOAD)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+        if fast:
+            products = acc.to(gl.float32, bitcast=True) - ACC_BIAS_FLOAT
+        else:
+            products = (acc - ACC_BIAS).to(gl.float32)
+        rows = row_tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
+        scores = products * gl.convert_layout(scale_1d, gl.SliceLayout(0, MMA))[None, :]
+        if HAS_BIAS:
+            scores = scores * per_query[:, None] + gl.convert_layout(bias_1d, gl.SliceLayout(0, MMA))[None, :]
+        if row_tile * BLOCK_N + BLOCK_N > n:
+            scores = gl.where((rows < n)[None, :], scores, float("-inf"))
+        best = gl.max(gl.reshape(scores, [BLOCK_Q, GROUPS, GROUP_N]), axis=2)
+        OUT: gl.constexpr = best.type.layout
+        if not HAS_BIAS:
+            best = best * gl.convert_layout(per_query, gl.SliceLayout(1, OUT))[:, None]
+        offs_out = q_tile * BLOCK_Q + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, OUT))
+        group = row_tile * GROUPS + gl.arange(0, GROUPS, layout=gl.SliceLayout(0, OUT))
+        gl.store(out_ptr + offs_out.to(gl.int64)[:, None] * stride_out + group[None, :], best,
+                 mask=(offs_out < nq)[:, None] & (group * GROUP_N < n)[None, :])
+    async_copy.wait_group(0)
