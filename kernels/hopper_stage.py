@@ -40,19 +40,27 @@ NUM_WARPS = 4
 
 
 @gluon.jit
+def _copy_queries(q_ptr, q_smem, buf, offs_q, q_mask, step, stride_q, Q_LOAD: gl.constexpr):
+    """Start the asynchronous copy of channel step ``step`` of the query tile (rows ``offs_q`` where ``q_mask``, else
+    zeros) into ``q_smem`` buffer ``buf``."""
+    channel = step * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, Q_LOAD))
+    _async_load(q_smem.index(buf), q_ptr + offs_q.to(gl.int64)[:, None] * stride_q + channel[None, :],
+                mask=q_mask[:, None])
+
+
+@gluon.jit
 def _issue_step(q_ptr, codes_ptr, q_smem, c_smem, offs_q, q_mask, first_tile, lanes, n, g, total, stride_q,
-                stride_rows, NBYTES: gl.constexpr, STEPS: gl.constexpr, STAGES: gl.constexpr, Q_LOAD: gl.constexpr,
-                C_LOAD: gl.constexpr):
+                stride_rows, NBYTES: gl.constexpr, STEPS: gl.constexpr, STAGES: gl.constexpr,
+                RESIDENT_Q: gl.constexpr, Q_LOAD: gl.constexpr, C_LOAD: gl.constexpr):
     """Start the asynchronous copies of the program's step ``g`` (row tile ``first_tile + (g // STEPS) · lanes``,
-    channel step ``g % STEPS``): its query tile and code tile into ring buffer ``g % STAGES``, nothing from ``total``
-    on (the copy group is committed either way)."""
+    channel step ``g % STEPS``): its code tile and, unless the queries are resident (``RESIDENT_Q``), its query tile
+    into ring buffer ``g % STAGES``; nothing from ``total`` on (the copy group is committed either way)."""
     buf = g % STAGES
     live = g < total
     step = g % STEPS
     rows = (first_tile + (g // STEPS) * lanes) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, C_LOAD))
-    channel = step * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, Q_LOAD))
-    q_ptrs = q_ptr + offs_q.to(gl.int64)[:, None] * stride_q + channel[None, :]
-    _async_load(q_smem.index(buf), q_ptrs, mask=q_mask[:, None] & live)
+    if not RESIDENT_Q:
+        _copy_queries(q_ptr, q_smem, buf, offs_q, q_mask & live, step, stride_q, Q_LOAD)
     byte = step * (BLOCK_K // 2) + gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, C_LOAD))
     c_ptrs = codes_ptr + rows.to(gl.int64)[:, None] * stride_rows + byte[None, :]
     _async_load(c_smem.index(buf), c_ptrs, mask=(rows < n)[:, None] & (byte < NBYTES)[None, :] & live)
@@ -64,7 +72,7 @@ def group_max_kernel(
     q_ptr, codes_ptr, scale_ptr, bias_ptr, qfac_ptr, abs_sum_ptr, out_ptr, unit_ptr,
     nq, n, stride_q, stride_rows, stride_out,
     K_PAD: gl.constexpr, NBYTES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_N: gl.constexpr, STAGES: gl.constexpr,
-    ASM: gl.constexpr, FAST_MAX_ABS_SUM: gl.constexpr,
+    RESIDENT_Q: gl.constexpr, ASM: gl.constexpr, FAST_MAX_ABS_SUM: gl.constexpr,
 ):
     """:func:`~.int8_stage.group_max_kernel`'s maxima with ``FUSED`` (its arguments less ``grid_ptr``, ``group0`` and
     ``GROUP_Q``; ``ASM`` required): ``out[q, g]`` = max over the rows ``i`` of group ``g`` of ``unit / qfac[q] ·
@@ -73,7 +81,8 @@ def group_max_kernel(
     :data:`BLOCK_K`. Tiles of :data:`BLOCK_Q` queries × :data:`BLOCK_N` rows, launched with :data:`NUM_WARPS` warps
     and a multiple of the query tiles as programs: program ``p`` takes query tile ``p % n_q_tiles`` and row tiles
     ``p // n_q_tiles``, ``+ lanes``, … (``lanes`` = programs / query tiles), its copies running ``STAGES - 1``
-    channel steps ahead across row tiles."""
+    channel steps ahead across row tiles. ``RESIDENT_Q``: the query tile's ``K_PAD`` channels are copied to shared
+    memory once per program instead of once per step and row tile."""
     STEPS: gl.constexpr = K_PAD // BLOCK_K
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     Q_LOAD: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
@@ -89,15 +98,22 @@ def group_max_kernel(
     my_tiles = gl.cdiv(gl.cdiv(n, BLOCK_N) - first_tile, lanes)
     total = my_tiles * STEPS
 
-    q_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_Q, BLOCK_K], Q_SMEM)
+    if RESIDENT_Q:
+        q_smem = gl.allocate_shared_memory(gl.int8, [STEPS, BLOCK_Q, BLOCK_K], Q_SMEM)
+    else:
+        q_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_Q, BLOCK_K], Q_SMEM)
     c_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, BLOCK_K // 2], C_SMEM)
     levels_smem = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N, BLOCK_K], Q_SMEM)
 
     offs_q_load = q_tile * BLOCK_Q + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, Q_LOAD))
     q_mask_load = offs_q_load < nq
+    if RESIDENT_Q:
+        for q_step in gl.static_range(STEPS):
+            _copy_queries(q_ptr, q_smem, q_step, offs_q_load, q_mask_load, q_step, stride_q, Q_LOAD)
+        async_copy.commit_group()
     for ahead in gl.static_range(STAGES - 1):
         _issue_step(q_ptr, codes_ptr, q_smem, c_smem, offs_q_load, q_mask_load, first_tile, lanes, n, ahead, total,
-                    stride_q, stride_rows, NBYTES, STEPS, STAGES, Q_LOAD, C_LOAD)
+                    stride_q, stride_rows, NBYTES, STEPS, STAGES, RESIDENT_Q, Q_LOAD, C_LOAD)
 
     # the query tile's terms, once per program
     offs_q = q_tile * BLOCK_Q + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, MMA))
@@ -124,10 +140,15 @@ def group_max_kernel(
             level_buf.store(gl.reshape(gl.join(low, high), [BLOCK_N, BLOCK_K]))
             fence_async_shared()
             _block_barrier()
-            acc = warpgroup_mma(q_smem.index(g % STAGES), level_buf.permute((1, 0)), acc, is_async=True)
+            if RESIDENT_Q:
+                queries = q_smem.index(step)
+            else:
+                queries = q_smem.index(g % STAGES)
+            acc = warpgroup_mma(queries, level_buf.permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             _issue_step(q_ptr, codes_ptr, q_smem, c_smem, offs_q_load, q_mask_load, first_tile, lanes, n,
-                        g + STAGES - 1, total, stride_q, stride_rows, NBYTES, STEPS, STAGES, Q_LOAD, C_LOAD)
+                        g + STAGES - 1, total, stride_q, stride_rows, NBYTES, STEPS, STAGES, RESIDENT_Q, Q_LOAD,
+                        C_LOAD)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
         if fast:

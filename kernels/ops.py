@@ -141,6 +141,9 @@ HOPPER_MIN_STEPS = 2
 #: its blocks per multiprocessor (registers and shared memory allow two; tests/test_hopper_stage.py): it runs as one
 #: wave of that many programs per multiprocessor, each looping over row tiles
 HOPPER_BLOCKS_PER_SM = 2
+#: its programs copy their query tile to shared memory once (not once per step and row tile) when it has at most this
+#: many channel steps (then it takes no more shared memory than the ring of query buffers)
+HOPPER_RESIDENT_QUERY_STEPS = FUSED_STAGES
 #: fewest channels per ``tl.dot`` step of the tile kernel: with 16, Triton 3.6 computed wrong tensor-core scores on
 #: the H200 (relative error ~1 for 4-bit codes, float16 and float32 operands alike; 32 and 64 exact)
 MIN_BLOCK_D = 32
@@ -662,7 +665,8 @@ def _int8_group_maxima(q: torch.Tensor, block: CodeBlock, table: CodeTable, out:
         hopper_stage.group_max_kernel[(q_tiles * lanes,)](
             q8, block.packed, scale, bias_ptr, qfac, abs_sum, out, unit, nq, n, q8.stride(0), block.packed.stride(0),
             out.stride(0), K_PAD=channels, NBYTES=launch["NBYTES"], HAS_BIAS=bias is not None, GROUP_N=cfg.block_n,
-            STAGES=FUSED_STAGES, ASM=launch["ASM"], FAST_MAX_ABS_SUM=FAST_CONVERSION_MAX_ABS_SUM,
+            STAGES=FUSED_STAGES, RESIDENT_Q=channels // block_k <= HOPPER_RESIDENT_QUERY_STEPS, ASM=launch["ASM"],
+            FAST_MAX_ABS_SUM=FAST_CONVERSION_MAX_ABS_SUM,
             num_warps=hopper_stage.NUM_WARPS,
         )
         return

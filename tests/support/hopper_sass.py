@@ -27,13 +27,15 @@ TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 def compile_sm90(dim: int, bias: bool, out_dir: Path) -> dict[str, object]:
     """``{"sass", "usage", "shared"}``: SASS, the ``cuobjdump -res-usage`` line and shared memory (bytes) of the kernel
-    for ``dim`` channels (groups of 64 rows, 3 stages), the cubin written to ``out_dir``."""
+    for ``dim`` channels (groups of 64 rows, 3 stages, the queries resident up to 3 steps), the cubin written to
+    ``out_dir``."""
     signature = {"q_ptr": "*i8", "codes_ptr": "*u8", "scale_ptr": "*fp32", "bias_ptr": "*fp32", "qfac_ptr": "*fp32",
                  "abs_sum_ptr": "*i32", "out_ptr": "*fp32", "unit_ptr": "*fp32", "nq": "i32", "n": "i32",
                  "stride_q": "i32", "stride_rows": "i32", "stride_out": "i32"}
     names = list(signature)
-    constexprs = {"K_PAD": -(-dim // 128) * 128, "NBYTES": dim // 2, "HAS_BIAS": bias, "GROUP_N": 64,
-                  "STAGES": 3, "ASM": nibble_levels_asm(LEVELS), "FAST_MAX_ABS_SUM": FAST_CONVERSION_MAX_ABS_SUM}
+    constexprs = {"K_PAD": -(-dim // 128) * 128, "NBYTES": dim // 2, "HAS_BIAS": bias, "GROUP_N": 64, "STAGES": 3,
+                  "RESIDENT_Q": dim <= 384, "ASM": nibble_levels_asm(LEVELS),
+                  "FAST_MAX_ABS_SUM": FAST_CONVERSION_MAX_ABS_SUM}
     signature.update({name: "constexpr" for name in constexprs})
     aligned = [name for name in names if name.endswith("_ptr")] + ["n", "stride_q", "stride_rows"]
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
