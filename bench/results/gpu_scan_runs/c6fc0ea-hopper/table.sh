@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Third device call: the table with the persistent Gluon stage 1 and hoist.patch in the tree, on whatever card comes
-# (the acceptance names the H200), from the repository root with OUT set, imported from a folder of links.
+# The table (1M rows at d = 128-1536 and 10M x 128, 4 bits) of the tree as it is, on whatever card comes (the issue's
+# acceptance names the H200), from the repository root with OUT set, imported from a folder of links. It ran three
+# times: with hoist.patch of ../c6fc0ea-stalls applied (h100_with_hoist), without it (h100_table), and with the
+# query tile resident (h100_table_resident, the tree as committed).
 export PYTHONUNBUFFERED=1
 ROOT=$PWD
 nvidia-smi --query-gpu=name --format=csv,noheader
