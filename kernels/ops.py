@@ -70,9 +70,9 @@ from .launch import Launcher, cdiv, multiprocessors, pow2, resident_blocks
 from .scan_kernel import half_queries_kernel, matvec_kernel, refine_kernel, tile_kernel
 from .unpack import one_4bit_segment, table_nibble_pair_asm
 
-try:  # Gluon (Triton 3.6 on); without it the fused int8 stage 1 runs the Triton kernel on every GPU
+try:  # Gluon as in Triton 3.6 on; without it the fused int8 stage 1 runs the Triton kernel on every GPU
     from . import hopper_stage
-except ImportError:
+except (ImportError, AttributeError):
     hopper_stage = None
 
 __all__ = ["SearchSettings", "capture_graph", "clear_graphs", "configured", "encode", "scores", "search", "settings"]
