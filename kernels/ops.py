@@ -666,8 +666,7 @@ def _int8_group_maxima(q: torch.Tensor, block: CodeBlock, table: CodeTable, out:
             q8, block.packed, scale, bias_ptr, qfac, abs_sum, out, unit, nq, n, q8.stride(0), block.packed.stride(0),
             out.stride(0), K_PAD=channels, NBYTES=launch["NBYTES"], HAS_BIAS=bias is not None, GROUP_N=cfg.block_n,
             STAGES=FUSED_STAGES, RESIDENT_Q=channels // block_k <= HOPPER_RESIDENT_QUERY_STEPS, ASM=launch["ASM"],
-            FAST_MAX_ABS_SUM=FAST_CONVERSION_MAX_ABS_SUM,
-            num_warps=hopper_stage.NUM_WARPS,
+            FAST_MAX_ABS_SUM=FAST_CONVERSION_MAX_ABS_SUM, num_warps=hopper_stage.NUM_WARPS,
         )
         return
     if fused:

@@ -290,8 +290,8 @@ def test_hopper_stage_equals_triton_kernel(monkeypatch: pytest.MonkeyPatch, dim:
                                            group: int, limit: int | None, multiprocessors: int | None) -> None:
     """On Hopper the fused int8 stage 1 over two or more 128-channel steps runs the Gluon kernel
     (:mod:`tqvec.kernels.hopper_stage`; 320 channels: the last step runs past the row, 200 queries: two query tiles,
-    ragged last row tiles; launched as if the GPU had one multiprocessor, each program loops over several row tiles
-    and its copies run ahead across them): its group maxima are the same floats as the Triton kernel's, with the
+    ragged last row tiles; where launched as if the GPU had one multiprocessor, each program loops over several row
+    tiles and its copies run ahead across them): its group maxima are the same floats as the Triton kernel's, with the
     products read by subtraction or (a limit of -1) converted, and the search's answer is the reference's."""
     if limit is not None:
         monkeypatch.setattr(ops, "FAST_CONVERSION_MAX_ABS_SUM", limit)
