@@ -1,7 +1,8 @@
 """A/B of the GPU search's tuning constants: whole searches per variant, side by side, on one card.
 
 A variant names module constants of ``tqvec.kernels`` and their values for its runs (``NAME=VALUE``, a Python
-literal; ``NAME`` alone means ``kernels.ops.NAME``, ``topk.BLOCK`` means ``kernels.topk.BLOCK``). For each shape
+literal; ``NAME`` alone means ``kernels.ops.NAME``, ``topk.BLOCK`` means ``kernels.topk.BLOCK``), or fields of
+:class:`~tqvec.kernels.ops.SearchSettings` (``settings.int8_hopper=False``). For each shape
 ``DxNQ`` the run builds ``gpu_scan``'s database (``--rows`` Gaussian rows of ``D`` channels at ``--bits``, queries
 from seed 7) and times, per variant, the whole ``ops.search`` (k = 10, graph-replayed, L2 flushed, median) and stage
 1 alone (:func:`gpu_scan.stage1_ms`), in ``--rounds`` rounds, every other round in reverse order, beside the bf16
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import dataclasses
 import importlib
 import json
 import time
@@ -35,8 +37,10 @@ from . import gpu_scan
 
 #: queries whose ids every variant must match (the first variant's)
 SAME_IDS_QUERIES = 200
-#: ``tqvec.kernels`` modules whose compiled kernels the last line lists
-KERNEL_MODULES = ("int8_stage", "scan_kernel", "dp4a_stage", "topk")
+#: ``tqvec.kernels`` modules whose compiled kernels the last line lists (``hopper_stage`` where Gluon imports)
+KERNEL_MODULES = ("int8_stage", "scan_kernel", "dp4a_stage", "topk", "hopper_stage")
+#: the pseudo-module of :class:`~tqvec.kernels.ops.SearchSettings` fields in a variant (``settings.FIELD=VALUE``)
+SETTINGS = "settings"
 
 
 @dataclass(frozen=True)
@@ -72,17 +76,20 @@ def _module(name: str) -> ModuleType:
 
 def parse_variant(tokens: list[str]) -> Variant:
     """``[NAME, "CONSTANT=VALUE", …]`` → a :class:`Variant`; ``CONSTANT`` is ``ops.CONSTANT`` unless it names its
-    module (``topk.BLOCK``), ``VALUE`` a Python literal.
+    module (``topk.BLOCK``) or is a search setting (``settings.int8_hopper``), ``VALUE`` a Python literal.
 
     Raises
     ------
     ValueError
-        No name, a setting without ``=``, a value that is not a literal, or a constant the module does not have.
+        No name, a setting without ``=``, a value that is not a literal, a constant the module does not have or a
+        field :class:`~tqvec.kernels.ops.SearchSettings` does not have.
 
     Examples
     --------
     >>> parse_variant(["s3", "ROW_LOOP_STAGES=3", "topk.BLOCK=256"]).settings
     {('ops', 'ROW_LOOP_STAGES'): 3, ('topk', 'BLOCK'): 256}
+    >>> parse_variant(["triton", "settings.int8_hopper=False"]).settings
+    {('settings', 'int8_hopper'): False}
     """
     if not tokens or "=" in tokens[0]:
         raise ValueError(f"a variant starts with its name, then CONSTANT=VALUE settings; got {tokens}")
@@ -97,25 +104,33 @@ def parse_variant(tokens: list[str]) -> Variant:
             value = ast.literal_eval(literal)
         except (ValueError, SyntaxError) as exc:
             raise ValueError(f"variant {tokens[0]!r}: {literal!r} is not a Python literal") from exc
-        try:
-            found = hasattr(_module(module), attribute)
-        except ModuleNotFoundError:
-            found = False
-        if not found:
-            raise ValueError(f"variant {tokens[0]!r}: tqvec.kernels.{module} has no constant {attribute!r}")
+        if module == SETTINGS:
+            if attribute not in {f.name for f in dataclasses.fields(ops.SearchSettings)}:
+                raise ValueError(f"variant {tokens[0]!r}: SearchSettings has no field {attribute!r}")
+        else:
+            try:
+                found = hasattr(_module(module), attribute)
+            except ModuleNotFoundError:
+                found = False
+            if not found:
+                raise ValueError(f"variant {tokens[0]!r}: tqvec.kernels.{module} has no constant {attribute!r}")
         settings[(module, attribute)] = value
     return Variant(tokens[0], settings)
 
 
 @contextlib.contextmanager
 def constants_set(settings: dict[tuple[str, str], object]) -> Iterator[None]:
-    """Set the constants for the block, then restore them; captured search graphs are dropped on both sides."""
-    saved = {key: getattr(_module(key[0]), key[1]) for key in settings}
-    for (module, attribute), value in settings.items():
+    """Set the constants and search settings for the block, then restore them; captured search graphs are dropped on
+    both sides."""
+    fields = {attribute: value for (module, attribute), value in settings.items() if module == SETTINGS}
+    constants = {key: value for key, value in settings.items() if key[0] != SETTINGS}
+    saved = {key: getattr(_module(key[0]), key[1]) for key in constants}
+    for (module, attribute), value in constants.items():
         setattr(_module(module), attribute, value)
     ops.clear_graphs()
     try:
-        yield
+        with ops.configured(**fields):
+            yield
     finally:
         for (module, attribute), value in saved.items():
             setattr(_module(module), attribute, value)
@@ -127,7 +142,11 @@ def compiled_kernels() -> list[dict]:
     so far, with its specialization key (argument types and constexpr values, cut at 300 characters)."""
     found = []
     for module_name in KERNEL_MODULES:
-        for name, fn in vars(_module(module_name)).items():
+        try:
+            module = _module(module_name)
+        except (ImportError, AttributeError):  # hopper_stage without Gluon
+            continue
+        for name, fn in vars(module).items():
             if not isinstance(fn, triton.runtime.JITFunction):
                 continue
             for caches in fn.device_caches.values():

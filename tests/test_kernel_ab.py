@@ -1,6 +1,9 @@
-"""``tqvec bench kernel-ab``'s command line: shapes and variants are read strictly (a typo in a constant's name
-would otherwise time the base twice under two names), and a variant's constants are restored after its runs."""
+"""``tqvec bench kernel-ab``'s command line: shapes and variants are read strictly (a typo in a constant's or a
+setting's name would otherwise time the base twice under two names), and a variant's constants and search settings
+are restored after its runs."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -32,12 +35,28 @@ def test_variants_name_existing_constants_with_literal_values() -> None:
         parse_variant(["ROW_LOOP_STAGES=3"])
 
 
+def test_variants_name_search_settings() -> None:
+    assert parse_variant(["triton", "settings.int8_hopper=False", "ROW_LOOP_STAGES=1"]) == Variant(
+        "triton", {("settings", "int8_hopper"): False, ("ops", "ROW_LOOP_STAGES"): 1})
+    with pytest.raises(ValueError, match="SearchSettings has no field 'int8_hoper'"):
+        parse_variant(["typo", "settings.int8_hoper=False"])
+
+
 def test_constants_are_restored_even_when_a_run_fails() -> None:
     stages, block = ops.ROW_LOOP_STAGES, topk.BLOCK
     with pytest.raises(RuntimeError), constants_set({("ops", "ROW_LOOP_STAGES"): stages + 1, ("topk", "BLOCK"): 64}):
         assert (ops.ROW_LOOP_STAGES, topk.BLOCK) == (stages + 1, 64)
         raise RuntimeError("a variant that does not compile")
     assert (ops.ROW_LOOP_STAGES, topk.BLOCK) == (stages, block)
+
+
+def test_settings_apply_inside_the_block_only() -> None:
+    before = ops.settings()
+    with pytest.raises(RuntimeError), constants_set({("settings", "int8_hopper"): not before.int8_hopper,
+                                                     ("settings", "cuda_graphs"): False}):
+        assert ops.settings() == dataclasses.replace(before, int8_hopper=not before.int8_hopper, cuda_graphs=False)
+        raise RuntimeError("a variant that does not compile")
+    assert ops.settings() == before
 
 
 @pytest.mark.parametrize("argv, message", [
