@@ -659,13 +659,14 @@ def _int8_group_maxima(q: torch.Tensor, block: CodeBlock, table: CodeTable, out:
             group_max_kernel[(cdiv(nq, cfg.block_q) * cdiv(count, tile_rows),)](*args, **launch)
 
     bias_ptr = _dummy(bias, scale)
-    if fused and _hopper_stage_serves(q8, block.packed, channels // block_k, cfg.block_q, tile_rows):
+    steps = channels // block_k
+    if fused and _hopper_stage_serves(q8, block.packed, steps, (cfg.block_q, tile_rows, block_k)):
         q_tiles = cdiv(nq, cfg.block_q)
         lanes = min(cdiv(n, tile_rows), max(1, multiprocessors(q8.device) * HOPPER_BLOCKS_PER_SM // q_tiles))
         hopper_stage.group_max_kernel[(q_tiles * lanes,)](
             q8, block.packed, scale, bias_ptr, qfac, abs_sum, out, unit, nq, n, q8.stride(0), block.packed.stride(0),
             out.stride(0), K_PAD=channels, NBYTES=launch["NBYTES"], HAS_BIAS=bias is not None, GROUP_N=cfg.block_n,
-            STAGES=FUSED_STAGES, RESIDENT_Q=channels // block_k <= HOPPER_RESIDENT_QUERY_STEPS, ASM=launch["ASM"],
+            STAGES=FUSED_STAGES, RESIDENT_Q=steps <= HOPPER_RESIDENT_QUERY_STEPS, ASM=launch["ASM"],
             FAST_MAX_ABS_SUM=FAST_CONVERSION_MAX_ABS_SUM, num_warps=hopper_stage.NUM_WARPS,
         )
         return
@@ -685,13 +686,14 @@ def _int8_group_maxima(q: torch.Tensor, block: CodeBlock, table: CodeTable, out:
         group_maxima(decoded, rows, first // cfg.block_n, scale[first:], bias_ptr if bias is None else bias[first:])
 
 
-def _hopper_stage_serves(q8: torch.Tensor, codes: torch.Tensor, steps: int, block_q: int, tile_rows: int) -> bool:
+def _hopper_stage_serves(q8: torch.Tensor, codes: torch.Tensor, steps: int, tiling: tuple[int, int, int]) -> bool:
     """Whether the fused int8 stage 1 runs :func:`~.hopper_stage.group_max_kernel`: Gluon importable, a Hopper GPU
     (not the interpreter), :attr:`SearchSettings.int8_hopper`, at least :data:`HOPPER_MIN_STEPS` channel steps, the
-    kernel's tile and code rows 16-byte aligned (its copies move 16 bytes at a time)."""
+    kernel's ``tiling`` (queries, rows, channels per step) and code rows 16-byte aligned (its copies move 16 bytes at
+    a time)."""
     return (hopper_stage is not None and not interpreting() and settings().int8_hopper and steps >= HOPPER_MIN_STEPS
             and q8.is_cuda and torch.cuda.get_device_capability(q8.device) == (9, 0)
-            and (block_q, tile_rows) == (hopper_stage.BLOCK_Q, hopper_stage.BLOCK_N)
+            and tiling == (hopper_stage.BLOCK_Q, hopper_stage.BLOCK_N, hopper_stage.BLOCK_K)
             and codes.stride(0) % 16 == 0 and codes.data_ptr() % 16 == 0)
 
 
