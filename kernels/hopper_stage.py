@@ -6,12 +6,12 @@ one chain: wait for the step's copies, decode the codes, store the levels to sha
 products, wait for them (Triton makes a ``tl.dot`` asynchronous only when both operands come from pipelined loads; here
 one is computed in registers). Sampled on an H100 at 1M × 384 with 100 queries, its warps stalled most on the products'
 wait and on each new tile's first copies (docs/gpu.md). :func:`group_max_kernel` computes the same maxima as one wave
-of programs (:data:`~.ops.HOPPER_BLOCKS_PER_SM` per multiprocessor), each keeping a query tile and looping over row
-tiles: the copies of queries and codes run ``STAGES - 1`` channel steps ahead through a ring of buffers, across row
-tiles, and a step's products (``wgmma``) are waited for only after the next step has decoded into the other of two
-level buffers. Gluon kernels do not run under ``TRITON_INTERPRET=1``: CI compiles this one for sm_90a and checks that
-structure in its machine code (tests/test_hopper_stage.py); on a Hopper GPU the tests compare its maxima with the Triton
-kernel's.
+of programs (as many as the multiprocessors hold at once: two, by its registers), each keeping a query tile and looping
+over row tiles: the copies of queries and codes run ``STAGES - 1`` channel steps ahead through a ring of buffers,
+across row tiles, and a step's products (``wgmma``) are waited for only after the next step has decoded into the other
+of two level buffers. Gluon kernels do not run under ``TRITON_INTERPRET=1``: CI compiles this one for sm_90a and
+checks that structure in its machine code (tests/test_hopper_stage.py); on a Hopper GPU the tests compare its maxima
+with the Triton kernel's.
 """
 from __future__ import annotations
 

@@ -56,6 +56,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
+import triton
 import triton.language as tl
 
 from tqvec.packing import Layout
@@ -138,9 +139,6 @@ FUSED_STAGES = 3
 #: fewest channel steps of :data:`FUSED_BLOCK_K` for which the fused stage 1 runs the Gluon kernel on Hopper
 #: (:attr:`SearchSettings.int8_hopper`)
 HOPPER_MIN_STEPS = 2
-#: its blocks per multiprocessor (registers and shared memory allow two; tests/test_hopper_stage.py): it runs as one
-#: wave of that many programs per multiprocessor, each looping over row tiles
-HOPPER_BLOCKS_PER_SM = 2
 #: its programs copy their query tile to shared memory once (not once per step and row tile) when it has at most this
 #: many channel steps (then it takes no more shared memory than the ring of query buffers)
 HOPPER_RESIDENT_QUERY_STEPS = FUSED_STAGES
@@ -662,13 +660,14 @@ def _int8_group_maxima(q: torch.Tensor, block: CodeBlock, table: CodeTable, out:
     steps = channels // block_k
     if fused and _hopper_stage_serves(q8, block.packed, steps, (cfg.block_q, tile_rows, block_k)):
         q_tiles = cdiv(nq, cfg.block_q)
-        lanes = min(cdiv(n, tile_rows), max(1, multiprocessors(q8.device) * HOPPER_BLOCKS_PER_SM // q_tiles))
-        hopper_stage.group_max_kernel[(q_tiles * lanes,)](
-            q8, block.packed, scale, bias_ptr, qfac, abs_sum, out, unit, nq, n, q8.stride(0), block.packed.stride(0),
-            out.stride(0), K_PAD=channels, NBYTES=launch["NBYTES"], HAS_BIAS=bias is not None, GROUP_N=cfg.block_n,
-            STAGES=FUSED_STAGES, RESIDENT_Q=steps <= HOPPER_RESIDENT_QUERY_STEPS, ASM=launch["ASM"],
-            FAST_MAX_ABS_SUM=FAST_CONVERSION_MAX_ABS_SUM, num_warps=hopper_stage.NUM_WARPS,
-        )
+        args = (q8, block.packed, scale, bias_ptr, qfac, abs_sum, out, unit, nq, n, q8.stride(0),
+                block.packed.stride(0), out.stride(0))
+        constants = {"K_PAD": channels, "NBYTES": launch["NBYTES"], "HAS_BIAS": bias is not None,
+                     "GROUP_N": cfg.block_n, "STAGES": FUSED_STAGES, "RESIDENT_Q": steps <= HOPPER_RESIDENT_QUERY_STEPS,
+                     "ASM": launch["ASM"], "FAST_MAX_ABS_SUM": FAST_CONVERSION_MAX_ABS_SUM,
+                     "num_warps": hopper_stage.NUM_WARPS}
+        lanes = min(cdiv(n, tile_rows), _wave_lanes(hopper_stage.group_max_kernel, args, constants, q8.device, q_tiles))
+        hopper_stage.group_max_kernel[(q_tiles * lanes,)](*args, **constants)
         return
     if fused:
         group_maxima(block.packed, n, 0, scale, bias_ptr)
@@ -697,21 +696,25 @@ def _hopper_stage_serves(q8: torch.Tensor, codes: torch.Tensor, steps: int, tili
             and codes.stride(0) % 16 == 0 and codes.data_ptr() % 16 == 0)
 
 
-#: blocks per multiprocessor of :func:`~.int8_stage.group_max_loop_kernel`, by device and launch settings
-_ROW_LOOP_BLOCKS: dict[tuple, int] = {}
+#: blocks per multiprocessor of the one-wave kernels, by kernel, device and launch settings
+_RESIDENT_BLOCKS: dict[tuple, int] = {}
+
+
+def _wave_lanes(kernel: triton.runtime.JITFunction, args: tuple, constants: dict, device: torch.device,
+                q_tiles: int) -> int:
+    """Lanes (programs per query tile, at least one) of ``kernel`` launched on ``args`` and ``constants`` as one wave
+    over ``q_tiles`` query tiles: as many programs as the multiprocessors of ``device`` hold at once
+    (:func:`~.launch.resident_blocks` of the compiled kernel, compiled once per launch settings)."""
+    key = (kernel, device, *sorted(constants.items()))
+    if key not in _RESIDENT_BLOCKS:
+        _RESIDENT_BLOCKS[key] = resident_blocks(kernel.warmup(*args, grid=(1,), **constants), device)
+    return max(1, multiprocessors(device) * _RESIDENT_BLOCKS[key] // q_tiles)
 
 
 def _row_loop_group_maxima(args: tuple, device: torch.device, q_tiles: int, launch: dict) -> None:
     """Launch :func:`~.int8_stage.group_max_loop_kernel` on ``args`` (:func:`~.int8_stage.group_max_kernel`'s runtime
-    arguments, ``q_tiles`` query tiles) as one wave: as many programs as the multiprocessors of ``device`` hold at
-    once, a whole number of lanes per query tile (at least one; two under the interpreter)."""
-    if interpreting():
-        lanes = 2
-    else:
-        key = (device, *sorted(launch.items()))
-        if key not in _ROW_LOOP_BLOCKS:
-            _ROW_LOOP_BLOCKS[key] = resident_blocks(group_max_loop_kernel.warmup(*args, 1, grid=(1,), **launch), device)
-        lanes = max(1, multiprocessors(device) * _ROW_LOOP_BLOCKS[key] // q_tiles)
+    arguments, ``q_tiles`` query tiles) as one wave (:func:`_wave_lanes`; two lanes under the interpreter)."""
+    lanes = 2 if interpreting() else _wave_lanes(group_max_loop_kernel, (*args, 1), launch, device, q_tiles)
     group_max_loop_kernel[(q_tiles * lanes,)](*args, lanes, **launch)
 
 
