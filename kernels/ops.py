@@ -17,8 +17,8 @@ Search runs in two stages and never writes the ``(nq, n)`` score matrix:
    (:data:`INT8_MIN_QUERIES`) go through :mod:`.int8_stage` instead: rows decoded once per search to int8
    levels, queries scaled by ``127 / max|q|`` and rounded to int8, int32 products on tensor cores; over one 4-bit
    segment, batches of more than :data:`INT8_FUSED_MIN_QUERIES` and fewer than :data:`INT8_FUSED_MAX_QUERIES`
-   decode each code tile in registers instead (:attr:`SearchSettings.int8_fused`; on Hopper GPUs, over two or more
-   channel steps, by :mod:`.hopper_stage` in Gluon, :attr:`SearchSettings.int8_hopper`); rows of one channel step
+   decode each code tile in registers instead (:attr:`SearchSettings.int8_fused`; on Hopper GPUs both, over two or
+   more channel steps, by :mod:`.hopper_stage` in Gluon, :attr:`SearchSettings.int8_hopper`); rows of one channel step
    (:data:`INT8_ONE_STEP_CHANNELS`) run one wave of programs that loop over row tiles
    (:attr:`SearchSettings.int8_row_loop`).
 2. :func:`~.topk.row_topk` (Triton, exact up to the order of ties; see :mod:`.topk`) picks the
@@ -139,6 +139,8 @@ FUSED_STAGES = 3
 #: fewest channel steps of :data:`FUSED_BLOCK_K` for which the fused stage 1 runs the Gluon kernel on Hopper
 #: (:attr:`SearchSettings.int8_hopper`)
 HOPPER_MIN_STEPS = 2
+#: its ring of shared-memory buffers over rows decoded to int8 (:func:`~.hopper_stage.decoded_group_max_kernel`)
+HOPPER_DECODED_STAGES = 3
 #: its programs copy their query tile to shared memory once (not once per step and row tile) when it has at most this
 #: many channel steps (then it takes no more shared memory than the ring of query buffers)
 HOPPER_RESIDENT_QUERY_STEPS = FUSED_STAGES
@@ -219,9 +221,10 @@ class SearchSettings:
         that each keep a query tile and loop over row tiles (:func:`~.int8_stage.group_max_loop_kernel`); off: one
         program per tile.
     int8_hopper : bool
-        On Hopper GPUs (compute capability 9.0) the fused int8 stage 1 over at least :data:`HOPPER_MIN_STEPS`
-        channel steps runs :func:`~.hopper_stage.group_max_kernel` (Gluon: products issued asynchronously while
-        the next step decodes); off: the Triton kernel.
+        On Hopper GPUs (compute capability 9.0) the int8 stage 1 over at least :data:`HOPPER_MIN_STEPS` channel
+        steps of 128 runs Gluon kernels (products issued asynchronously, copies running ahead across row tiles):
+        :func:`~.hopper_stage.group_max_kernel` on code tiles (fused), :func:`~.hopper_stage.decoded_group_max_kernel`
+        on decoded rows; off: the Triton kernel.
     """
 
     cuda_graphs: bool = True
@@ -658,22 +661,18 @@ def _int8_group_maxima(q: torch.Tensor, block: CodeBlock, table: CodeTable, out:
 
     bias_ptr = _dummy(bias, scale)
     steps = channels // block_k
-    if fused and _hopper_stage_serves(q8, block.packed, steps, (cfg.block_q, tile_rows, block_k)):
-        q_tiles = cdiv(nq, cfg.block_q)
-        args = (q8, block.packed, scale, bias_ptr, qfac, abs_sum, out, unit, nq, n, q8.stride(0),
-                block.packed.stride(0), out.stride(0))
-        constants = {"K_PAD": channels, "NBYTES": launch["NBYTES"], "HAS_BIAS": bias is not None,
-                     "GROUP_N": cfg.block_n, "STAGES": FUSED_STAGES, "RESIDENT_Q": steps <= HOPPER_RESIDENT_QUERY_STEPS,
-                     "ASM": launch["ASM"], "FAST_MAX_ABS_SUM": FAST_CONVERSION_MAX_ABS_SUM,
-                     "num_warps": hopper_stage.NUM_WARPS}
-        lanes = min(cdiv(n, tile_rows), _wave_lanes(hopper_stage.group_max_kernel, args, constants, q8.device, q_tiles))
-        hopper_stage.group_max_kernel[(q_tiles * lanes,)](*args, **constants)
+    if fused and _hopper_fused_serves(q8, block.packed, steps, (cfg.block_q, tile_rows, block_k)):
+        _hopper_launch(hopper_stage.group_max_kernel, (q8, block.packed, scale, bias_ptr, qfac, abs_sum, out, unit, nq,
+                                                       n, q8.stride(0), block.packed.stride(0), out.stride(0)),
+                       K_PAD=channels, NBYTES=launch["NBYTES"], HAS_BIAS=bias is not None, GROUP_N=cfg.block_n,
+                       STAGES=FUSED_STAGES, ASM=launch["ASM"])
         return
     if fused:
         group_maxima(block.packed, n, 0, scale, bias_ptr)
         return
     chunk = min(cdiv(n, tile_rows), max(1, INT8_CHUNK_BYTES // (channels * tile_rows))) * tile_rows
     decoded = torch.zeros(chunk, channels, dtype=torch.int8, device=q.device)
+    on_hopper = _hopper_decoded_serves(q8, channels, cfg.block_n, tile_rows)
     decode_n = 32 if interpreting() else 64
     for first in range(0, n, chunk):
         rows = min(chunk, n - first)
@@ -682,18 +681,52 @@ def _int8_group_maxima(q: torch.Tensor, block: CodeBlock, table: CodeTable, out:
             packed, grid, decoded, rows, packed.stride(0), decoded.stride(0), **segment_args(table.layout),
             BLOCK_N=decode_n, BLOCK_D=_pow2_clamp(max(d for d, _ in table.layout.segments), 8, 64), num_warps=4,
         )
-        group_maxima(decoded, rows, first // cfg.block_n, scale[first:], bias_ptr if bias is None else bias[first:])
+        row_bias = bias_ptr if bias is None else bias[first:]
+        if on_hopper:
+            _hopper_launch(hopper_stage.decoded_group_max_kernel,
+                           (q8, decoded, scale[first:], row_bias, qfac, abs_sum, out[:, first // cfg.block_n:], unit,
+                            nq, rows, q8.stride(0), decoded.stride(0), out.stride(0)),
+                           K_PAD=channels, HAS_BIAS=bias is not None, GROUP_N=cfg.block_n, STAGES=HOPPER_DECODED_STAGES)
+        else:
+            group_maxima(decoded, rows, first // cfg.block_n, scale[first:], row_bias)
 
 
-def _hopper_stage_serves(q8: torch.Tensor, codes: torch.Tensor, steps: int, tiling: tuple[int, int, int]) -> bool:
-    """Whether the fused int8 stage 1 runs :func:`~.hopper_stage.group_max_kernel`: Gluon importable, a Hopper GPU
-    (not the interpreter), :attr:`SearchSettings.int8_hopper`, at least :data:`HOPPER_MIN_STEPS` channel steps, the
-    kernel's ``tiling`` (queries, rows, channels per step) and code rows 16-byte aligned (its copies move 16 bytes at
-    a time)."""
-    return (hopper_stage is not None and not interpreting() and settings().int8_hopper and steps >= HOPPER_MIN_STEPS
-            and q8.is_cuda and torch.cuda.get_device_capability(q8.device) == (9, 0)
+def _on_hopper(q8: torch.Tensor) -> bool:
+    """Whether the Gluon kernels of :mod:`.hopper_stage` can serve stage 1 for the int8 queries ``q8``: Gluon
+    importable, a Hopper GPU (compute capability 9.0, not the interpreter), :attr:`SearchSettings.int8_hopper`."""
+    return (hopper_stage is not None and not interpreting() and settings().int8_hopper and q8.is_cuda
+            and torch.cuda.get_device_capability(q8.device) == (9, 0))
+
+
+def _hopper_fused_serves(q8: torch.Tensor, codes: torch.Tensor, steps: int, tiling: tuple[int, int, int]) -> bool:
+    """Whether the fused int8 stage 1 runs :func:`~.hopper_stage.group_max_kernel`: :func:`_on_hopper`, at least
+    :data:`HOPPER_MIN_STEPS` channel steps, the kernel's ``tiling`` (queries, rows, channels per step) and code rows
+    16-byte aligned (its copies move 16 bytes at a time)."""
+    return (_on_hopper(q8) and steps >= HOPPER_MIN_STEPS
             and tiling == (hopper_stage.BLOCK_Q, hopper_stage.BLOCK_N, hopper_stage.BLOCK_K)
             and codes.stride(0) % 16 == 0 and codes.data_ptr() % 16 == 0)
+
+
+def _hopper_decoded_serves(q8: torch.Tensor, channels: int, group_n: int, chunk_rows: int) -> bool:
+    """Whether the int8 stage 1 over decoded rows runs :func:`~.hopper_stage.decoded_group_max_kernel`:
+    :func:`_on_hopper`, ``channels`` (the decoded rows' width) at least :data:`HOPPER_MIN_STEPS` of the kernel's
+    channel steps and a multiple of one, and groups of ``group_n`` rows that its row tiles and the chunks of
+    ``chunk_rows`` rows hold whole."""
+    block_k, block_n = hopper_stage.BLOCK_K, hopper_stage.BLOCK_N
+    return (_on_hopper(q8) and channels % block_k == 0 and channels // block_k >= HOPPER_MIN_STEPS
+            and block_n % group_n == 0 and chunk_rows % group_n == 0)
+
+
+def _hopper_launch(kernel: triton.runtime.JITFunction, args: tuple, **constants: object) -> None:
+    """Launch a kernel of :mod:`.hopper_stage` on ``args`` (``q8`` first, ``nq`` and ``n`` ninth and tenth) and its
+    ``constants`` (``RESIDENT_Q``, ``FAST_MAX_ABS_SUM`` and the warps added here) as one wave (:func:`_wave_lanes`), at
+    most one program per query tile and row tile."""
+    q8, nq, n = args[0], args[8], args[9]
+    constants.update(RESIDENT_Q=constants["K_PAD"] // hopper_stage.BLOCK_K <= HOPPER_RESIDENT_QUERY_STEPS,
+                     FAST_MAX_ABS_SUM=FAST_CONVERSION_MAX_ABS_SUM, num_warps=hopper_stage.NUM_WARPS)
+    q_tiles = cdiv(nq, hopper_stage.BLOCK_Q)
+    lanes = min(cdiv(n, hopper_stage.BLOCK_N), _wave_lanes(kernel, args, constants, q8.device, q_tiles))
+    kernel[(q_tiles * lanes,)](*args, **constants)
 
 
 #: blocks per multiprocessor of the one-wave kernels, by kernel, device and launch settings

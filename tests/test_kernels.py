@@ -283,28 +283,37 @@ HOPPER = (not INTERPRET and ops.hopper_stage is not None and torch.cuda.is_avail
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon stage 1 runs on Hopper GPUs (CI compiles it: test_hopper_stage.py)")
-@pytest.mark.parametrize("dim,nq,n,bias,group,limit,multiprocessors", [
-    (256, 17, 1000, False, 64, None, 1), (256, 17, 1000, True, 128, -1, None), (320, 100, 777, True, 64, None, None),
-    (320, 100, 777, False, 128, -1, 1), (384, 200, 1300, True, 64, -1, 1), (768, 100, 513, False, 64, None, None)])
-def test_hopper_stage_equals_triton_kernel(monkeypatch: pytest.MonkeyPatch, dim: int, nq: int, n: int, bias: bool,
-                                           group: int, limit: int | None, multiprocessors: int | None) -> None:
-    """On Hopper the fused int8 stage 1 over two or more 128-channel steps runs the Gluon kernel
-    (:mod:`tqvec.kernels.hopper_stage`; 320 channels: the last step runs past the row, 200 queries: two query tiles,
-    ragged last row tiles; where launched as if the GPU had one multiprocessor, each program loops over several row
-    tiles and its copies run ahead across them): its group maxima are the same floats as the Triton kernel's, with the
-    products read by subtraction or (a limit of -1) converted, and the search's answer is the reference's."""
+@pytest.mark.parametrize("stage,dim,nq,n,bias,group,limit,multiprocessors,chunk_tiles", [
+    ("fused", 256, 17, 1000, False, 64, None, 1, None), ("fused", 256, 17, 1000, True, 128, -1, None, None),
+    ("fused", 320, 100, 777, True, 64, None, None, None), ("fused", 320, 100, 777, False, 128, -1, 1, None),
+    ("fused", 384, 200, 1300, True, 64, -1, 1, None), ("fused", 768, 100, 513, False, 64, None, None, None),
+    ("decoded", 256, 17, 1000, False, 64, None, 1, None), ("decoded", 384, 200, 1300, True, 64, -1, 1, 3),
+    ("decoded", 768, 100, 513, False, 128, None, None, 2), ("decoded", 512, 300, 777, True, 128, -1, None, None)])
+def test_hopper_stage_equals_triton_kernel(monkeypatch: pytest.MonkeyPatch, stage: str, dim: int, nq: int, n: int,
+                                           bias: bool, group: int, limit: int | None, multiprocessors: int | None,
+                                           chunk_tiles: int | None) -> None:
+    """On Hopper the int8 stage 1 over two or more 128-channel steps runs a Gluon kernel of
+    :mod:`tqvec.kernels.hopper_stage`, on code tiles (``fused``) or on rows decoded in chunks (``decoded``; chunks of
+    ``chunk_tiles`` row tiles, the last ragged): its group maxima are the same floats as the Triton kernel's, with the
+    products read by subtraction or (a limit of -1) converted, and the search's answer is the reference's. 320
+    channels: the last step runs past the row; 200-300 queries: two or three query tiles; ragged last row tiles; where
+    launched as if the GPU had one multiprocessor, each program loops over several row tiles and its copies run ahead
+    across them."""
     if limit is not None:
         monkeypatch.setattr(ops, "FAST_CONVERSION_MAX_ABS_SUM", limit)
     if multiprocessors is not None:
         monkeypatch.setattr(ops, "multiprocessors", lambda device: multiprocessors)
+    if chunk_tiles is not None:
+        monkeypatch.setattr(ops, "INT8_CHUNK_BYTES", chunk_tiles * ops.INT8_TILE_ROWS * dim)
     served = []
-    serves = ops._hopper_stage_serves
-    monkeypatch.setattr(ops, "_hopper_stage_serves", lambda *args: served.append(serves(*args)) or served[-1])
+    check = f"_hopper_{stage}_serves"
+    serves = getattr(ops, check)
+    monkeypatch.setattr(ops, check, lambda *args: served.append(serves(*args)) or served[-1])
     tq, cpu_block, dev_block, rotated, _ = make_case(4, "mse", dim, n=n, nq=nq, bias=bias)
     config = ops.TileConfig(128, group, 32, int8=True)
     maxima = {}
     for hopper in (True, False):
-        with ops.configured(int8_hopper=hopper):
+        with ops.configured(int8_hopper=hopper, int8_fused=stage == "fused"):
             maxima[hopper] = ops.group_maxima(dev(rotated), None, dev_block, tq.table(KERNEL_DEVICE), config).cpu()
             got = ops.search(dev(rotated), dev_block, tq.table(KERNEL_DEVICE), 7, config=config)
         assert_topk_equal(got, scan.search(rotated, cpu_block, tq.table("cpu"), 7),
