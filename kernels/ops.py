@@ -712,9 +712,11 @@ def _hopper_decoded_serves(q8: torch.Tensor, channels: int, group_n: int, chunk_
     :func:`_on_hopper`, ``channels`` (the decoded rows' width) at least :data:`HOPPER_MIN_STEPS` of the kernel's
     channel steps and a multiple of one, and groups of ``group_n`` rows that its row tiles and the chunks of
     ``chunk_rows`` rows hold whole."""
-    block_k, block_n = hopper_stage.BLOCK_K, hopper_stage.BLOCK_N
-    return (_on_hopper(q8) and channels % block_k == 0 and channels // block_k >= HOPPER_MIN_STEPS
-            and block_n % group_n == 0 and chunk_rows % group_n == 0)
+    if not _on_hopper(q8):
+        return False
+    block_k, block_n = hopper_stage.BLOCK_K.value, hopper_stage.BLOCK_N.value
+    return (channels % block_k == 0 and channels // block_k >= HOPPER_MIN_STEPS and block_n % group_n == 0
+            and chunk_rows % group_n == 0)
 
 
 def _hopper_launch(kernel: triton.runtime.JITFunction, args: tuple, **constants: object) -> None:
