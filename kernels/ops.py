@@ -724,10 +724,10 @@ def _hopper_launch(kernel: triton.runtime.JITFunction, args: tuple, **constants:
     ``constants`` (``RESIDENT_Q``, ``FAST_MAX_ABS_SUM`` and the warps added here) as one wave (:func:`_wave_lanes`), at
     most one program per query tile and row tile."""
     q8, nq, n = args[0], args[8], args[9]
-    constants.update(RESIDENT_Q=constants["K_PAD"] // hopper_stage.BLOCK_K <= HOPPER_RESIDENT_QUERY_STEPS,
+    constants.update(RESIDENT_Q=constants["K_PAD"] // hopper_stage.BLOCK_K.value <= HOPPER_RESIDENT_QUERY_STEPS,
                      FAST_MAX_ABS_SUM=FAST_CONVERSION_MAX_ABS_SUM, num_warps=hopper_stage.NUM_WARPS)
-    q_tiles = cdiv(nq, hopper_stage.BLOCK_Q)
-    lanes = min(cdiv(n, hopper_stage.BLOCK_N), _wave_lanes(kernel, args, constants, q8.device, q_tiles))
+    q_tiles = cdiv(nq, hopper_stage.BLOCK_Q.value)
+    lanes = min(cdiv(n, hopper_stage.BLOCK_N.value), _wave_lanes(kernel, args, constants, q8.device, q_tiles))
     kernel[(q_tiles * lanes,)](*args, **constants)
 
 
