@@ -32,44 +32,26 @@ _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_g
 #: a barrier of the block's threads (``barrier`` in newer Triton, ``thread_barrier`` in 3.6)
 _block_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
-#: queries and rows per tile and channels per step of both kernels, launched with 4 or 8 warps (one warpgroup for all
-#: the tile's queries, or two for 64 each; the layouts follow the launch's warps)
+#: queries and rows per tile and channels per step of :func:`group_max_kernel`, launched with ``NUM_WARPS`` warps (one
+#: warpgroup)
 BLOCK_Q = gl.constexpr(128)
 BLOCK_N = gl.constexpr(128)
 BLOCK_K = gl.constexpr(128)
-#: int8 tiles in shared memory as ``wgmma`` operands
+NUM_WARPS = 4
+#: the layouts of both kernels: tensor-core products (one warpgroup, 128 × 128 tiles), copies of int8 tiles and of
+#: packed code tiles, int8 tiles in shared memory as ``wgmma`` operands, one value per thread of a row tile
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32]))
+TILE_LOAD = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
+CODE_LOAD = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
 OPERAND = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
-
-
-@gluon.constexpr_function
-def _mma(warps):
-    """The tensor-core products' layout: ``warps`` warps (one warpgroup per 64 queries) over 128 × 128 tiles."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, 128, 32])
-
-
-@gluon.constexpr_function
-def _tile_load(warps):
-    """The copies' layout of int8 tiles (16 bytes per thread, a row's 128 channels over 8 threads)."""
-    return gl.BlockedLayout([1, 16], [4, 8], [warps, 1], [1, 0])
-
-
-@gluon.constexpr_function
-def _code_load(warps):
-    """The copies' layout of packed code tiles (16 bytes per thread, a row's 64 bytes over 4 threads)."""
-    return gl.BlockedLayout([1, 16], [8, 4], [warps, 1], [1, 0])
-
-
-@gluon.constexpr_function
-def _one_d(warps):
-    """One value per thread of a row tile."""
-    return gl.BlockedLayout([1], [32], [warps], [0])
+ONE_D = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 
 
 @gluon.jit
 def _copy_tile(src_ptr, smem, buf, offs, mask, step, stride):
     """Start the asynchronous copy of channel step ``step`` of an int8 tile (rows ``offs`` of ``src_ptr``, ``stride``
     bytes apart, where ``mask``, else zeros) into ``smem`` buffer ``buf``."""
-    channel = step * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, _tile_load(gl.num_warps())))
+    channel = step * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, TILE_LOAD))
     _async_load(smem.index(buf), src_ptr + offs.to(gl.int64)[:, None] * stride + channel[None, :], mask=mask[:, None])
 
 
@@ -80,14 +62,13 @@ def _issue_step(q_ptr, codes_ptr, q_smem, c_smem, offs_q, q_mask, first_tile, la
     """Start the asynchronous copies of the program's step ``g`` (row tile ``first_tile + (g // STEPS) · lanes``,
     channel step ``g % STEPS``): its code tile and, unless the queries are resident (``RESIDENT_Q``), its query tile
     into ring buffer ``g % STAGES``; nothing from ``total`` on (the copy group is committed either way)."""
-    LOAD: gl.constexpr = _code_load(gl.num_warps())
     buf = g % STAGES
     live = g < total
     step = g % STEPS
-    rows = (first_tile + (g // STEPS) * lanes) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD))
+    rows = (first_tile + (g // STEPS) * lanes) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CODE_LOAD))
     if not RESIDENT_Q:
         _copy_tile(q_ptr, q_smem, buf, offs_q, q_mask & live, step, stride_q)
-    byte = step * (BLOCK_K // 2) + gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, LOAD))
+    byte = step * (BLOCK_K // 2) + gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, CODE_LOAD))
     c_ptrs = codes_ptr + rows.to(gl.int64)[:, None] * stride_rows + byte[None, :]
     _async_load(c_smem.index(buf), c_ptrs, mask=(rows < n)[:, None] & (byte < NBYTES)[None, :] & live)
     async_copy.commit_group()
@@ -98,11 +79,10 @@ def _issue_rows_step(q_ptr, rows_ptr, q_smem, r_smem, offs_q, q_mask, first_tile
                      stride_rows, STEPS: gl.constexpr, STAGES: gl.constexpr, RESIDENT_Q: gl.constexpr):
     """:func:`_issue_step` for rows already decoded to int8 levels (``rows_ptr``, ``K_PAD`` channels): the step's
     row tile and, unless ``RESIDENT_Q``, query tile into ring buffer ``g % STAGES``."""
-    LOAD: gl.constexpr = _tile_load(gl.num_warps())
     buf = g % STAGES
     live = g < total
     step = g % STEPS
-    rows = (first_tile + (g // STEPS) * lanes) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD))
+    rows = (first_tile + (g // STEPS) * lanes) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, TILE_LOAD))
     if not RESIDENT_Q:
         _copy_tile(q_ptr, q_smem, buf, offs_q, q_mask & live, step, stride_q)
     _copy_tile(rows_ptr, r_smem, buf, rows, (rows < n) & live, step, stride_rows)
@@ -123,7 +103,7 @@ def _wave_share(nq, n):
 def _query_terms(q_tile, nq, qfac_ptr, abs_sum_ptr, unit_ptr, FAST_MAX_ABS_SUM: gl.constexpr):
     """Whether the query tile's products are read by subtraction (every query's ``abs_sum`` at most
     ``FAST_MAX_ABS_SUM``) and each query's factor ``unit / qfac[q]`` ``(BLOCK_Q,)`` from products to scores."""
-    offs_q = q_tile * BLOCK_Q + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, _mma(gl.num_warps())))
+    offs_q = q_tile * BLOCK_Q + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, MMA))
     q_mask = offs_q < nq
     fast = gl.max(gl.load(abs_sum_ptr + offs_q, mask=q_mask, other=0), axis=0) <= FAST_MAX_ABS_SUM
     return fast, gl.load(unit_ptr) / gl.load(qfac_ptr + offs_q, mask=q_mask, other=1.0)
@@ -133,7 +113,6 @@ def _query_terms(q_tile, nq, qfac_ptr, abs_sum_ptr, unit_ptr, FAST_MAX_ABS_SUM: 
 def _row_terms(scale_ptr, bias_ptr, row_tile, n, HAS_BIAS: gl.constexpr):
     """The scales and biases (zeros without ``HAS_BIAS``) ``(BLOCK_N,)`` of row tile ``row_tile``, one value per
     thread (loaded before the tile's products, spread over the products' layout after them)."""
-    ONE_D: gl.constexpr = _one_d(gl.num_warps())
     rows = row_tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=ONE_D)
     scale = gl.load(scale_ptr + rows, mask=rows < n, other=0.0)
     if HAS_BIAS:
@@ -146,10 +125,9 @@ def _row_terms(scale_ptr, bias_ptr, row_tile, n, HAS_BIAS: gl.constexpr):
 @gluon.jit
 def _store_maxima(acc, fast, per_query, scale, bias, q_tile, row_tile, nq, n, out_ptr, stride_out,
                   HAS_BIAS: gl.constexpr, GROUP_N: gl.constexpr):
-    """Store the tile's group maxima: the products ``acc`` (int32 from ``ACC_BIAS``, layout :func:`_mma`) scaled to
+    """Store the tile's group maxima: the products ``acc`` (int32 from ``ACC_BIAS``, layout :data:`MMA`) scaled to
     scores (:func:`_query_terms`, :func:`_row_terms`), rows past ``n`` ignored, each query's best per group of
     ``GROUP_N`` rows into ``out``."""
-    MMA: gl.constexpr = _mma(gl.num_warps())
     if fast:
         products = acc.to(gl.float32, bitcast=True) - ACC_BIAS_FLOAT
     else:
@@ -182,15 +160,12 @@ def group_max_kernel(
     ``GROUP_Q``; ``ASM`` required): ``out[q, g]`` = max over the rows ``i`` of group ``g`` of ``unit / qfac[q] ·
     scale[i] · ⟨q8, r8_i⟩ + bias[i]``, the rows ``r8`` decoded from one 4-bit segment of ``NBYTES`` bytes per row
     (``codes_ptr``, rows 16-byte aligned), the queries ``q8`` int8 ``(nq, K_PAD)``, ``K_PAD`` a multiple of
-    :data:`BLOCK_K`. Tiles of :data:`BLOCK_Q` queries × :data:`BLOCK_N` rows, launched with 4 or 8 warps
+    :data:`BLOCK_K`. Tiles of :data:`BLOCK_Q` queries × :data:`BLOCK_N` rows, launched with :data:`NUM_WARPS` warps
     and a multiple of the query tiles as programs: program ``p`` takes query tile ``p % n_q_tiles`` and row tiles
     ``p // n_q_tiles``, ``+ lanes``, … (``lanes`` = programs / query tiles), its copies running ``STAGES - 1``
     channel steps ahead across row tiles. ``RESIDENT_Q``: the query tile's ``K_PAD`` channels are copied to shared
     memory once per program instead of once per step and row tile."""
     STEPS: gl.constexpr = K_PAD // BLOCK_K
-    MMA: gl.constexpr = _mma(gl.num_warps())
-    TILE_LOAD: gl.constexpr = _tile_load(gl.num_warps())
-    CODE_LOAD: gl.constexpr = _code_load(gl.num_warps())
     q_tile, first_tile, lanes, my_tiles = _wave_share(nq, n)
     total = my_tiles * STEPS
     q_smem = gl.allocate_shared_memory(gl.int8, [STEPS if RESIDENT_Q else STAGES, BLOCK_Q, BLOCK_K], OPERAND)
@@ -229,8 +204,6 @@ def group_max_kernel(
                 queries = q_smem.index(g % STAGES)
             acc = warpgroup_mma(queries, level_buf.permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            if gl.num_warps() > 4:  # the other warpgroups' last products read the buffers refilled next
-                _block_barrier()
             _issue_step(q_ptr, codes_ptr, q_smem, c_smem, offs_q_load, q_mask_load, first_tile, lanes, n,
                         g + STAGES - 1, total, stride_q, stride_rows, NBYTES, STEPS, STAGES, RESIDENT_Q)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -250,8 +223,6 @@ def decoded_group_max_kernel(
     (rows 16-byte aligned), the rest as there. Both operands of the products are copied into the ring of shared-memory
     buffers and read from there by ``wgmma``; a step's products are waited for after the next step's are issued."""
     STEPS: gl.constexpr = K_PAD // BLOCK_K
-    MMA: gl.constexpr = _mma(gl.num_warps())
-    TILE_LOAD: gl.constexpr = _tile_load(gl.num_warps())
     q_tile, first_tile, lanes, my_tiles = _wave_share(nq, n)
     total = my_tiles * STEPS
     q_smem = gl.allocate_shared_memory(gl.int8, [STEPS if RESIDENT_Q else STAGES, BLOCK_Q, BLOCK_K], OPERAND)
@@ -283,8 +254,6 @@ def decoded_group_max_kernel(
                 queries = q_smem.index(g % STAGES)
             acc = warpgroup_mma(queries, r_smem.index(g % STAGES).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            if gl.num_warps() > 4:  # the other warpgroups' last products read the buffers refilled next
-                _block_barrier()
             _issue_rows_step(q_ptr, rows_ptr, q_smem, r_smem, offs_q_load, q_mask_load, first_tile, lanes, n,
                              g + STAGES - 1, total, stride_q, stride_rows, STEPS, STAGES, RESIDENT_Q)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))

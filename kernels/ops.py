@@ -141,9 +141,6 @@ FUSED_STAGES = 3
 HOPPER_MIN_STEPS = 2
 #: its ring of shared-memory buffers over rows decoded to int8 (:func:`~.hopper_stage.decoded_group_max_kernel`)
 HOPPER_DECODED_STAGES = 3
-#: warps of the Gluon kernels on code tiles and on decoded rows (4: one warpgroup per tile; 8: two)
-HOPPER_FUSED_WARPS = 4
-HOPPER_DECODED_WARPS = 4
 #: its programs copy their query tile to shared memory once (not once per step and row tile) when it has at most this
 #: many channel steps (then it takes no more shared memory than the ring of query buffers)
 HOPPER_RESIDENT_QUERY_STEPS = FUSED_STAGES
@@ -668,7 +665,7 @@ def _int8_group_maxima(q: torch.Tensor, block: CodeBlock, table: CodeTable, out:
         _hopper_launch(hopper_stage.group_max_kernel, (q8, block.packed, scale, bias_ptr, qfac, abs_sum, out, unit, nq,
                                                        n, q8.stride(0), block.packed.stride(0), out.stride(0)),
                        K_PAD=channels, NBYTES=launch["NBYTES"], HAS_BIAS=bias is not None, GROUP_N=cfg.block_n,
-                       STAGES=FUSED_STAGES, ASM=launch["ASM"], num_warps=HOPPER_FUSED_WARPS)
+                       STAGES=FUSED_STAGES, ASM=launch["ASM"])
         return
     if fused:
         group_maxima(block.packed, n, 0, scale, bias_ptr)
@@ -689,8 +686,7 @@ def _int8_group_maxima(q: torch.Tensor, block: CodeBlock, table: CodeTable, out:
             _hopper_launch(hopper_stage.decoded_group_max_kernel,
                            (q8, decoded, scale[first:], row_bias, qfac, abs_sum, out[:, first // cfg.block_n:], unit,
                             nq, rows, q8.stride(0), decoded.stride(0), out.stride(0)),
-                           K_PAD=channels, HAS_BIAS=bias is not None, GROUP_N=cfg.block_n, STAGES=HOPPER_DECODED_STAGES,
-                           num_warps=HOPPER_DECODED_WARPS)
+                           K_PAD=channels, HAS_BIAS=bias is not None, GROUP_N=cfg.block_n, STAGES=HOPPER_DECODED_STAGES)
         else:
             group_maxima(decoded, rows, first // cfg.block_n, scale[first:], row_bias)
 
@@ -725,11 +721,11 @@ def _hopper_decoded_serves(q8: torch.Tensor, channels: int, group_n: int, chunk_
 
 def _hopper_launch(kernel: triton.runtime.JITFunction, args: tuple, **constants: object) -> None:
     """Launch a kernel of :mod:`.hopper_stage` on ``args`` (``q8`` first, ``nq`` and ``n`` ninth and tenth) and its
-    ``constants`` (``RESIDENT_Q`` and ``FAST_MAX_ABS_SUM`` added here) as one wave (:func:`_wave_lanes`), at
+    ``constants`` (``RESIDENT_Q``, ``FAST_MAX_ABS_SUM`` and the warps added here) as one wave (:func:`_wave_lanes`), at
     most one program per query tile and row tile."""
     q8, nq, n = args[0], args[8], args[9]
     constants.update(RESIDENT_Q=constants["K_PAD"] // hopper_stage.BLOCK_K.value <= HOPPER_RESIDENT_QUERY_STEPS,
-                     FAST_MAX_ABS_SUM=FAST_CONVERSION_MAX_ABS_SUM)
+                     FAST_MAX_ABS_SUM=FAST_CONVERSION_MAX_ABS_SUM, num_warps=hopper_stage.NUM_WARPS)
     q_tiles = cdiv(nq, hopper_stage.BLOCK_Q.value)
     lanes = min(cdiv(n, hopper_stage.BLOCK_N.value), _wave_lanes(kernel, args, constants, q8.device, q_tiles))
     kernel[(q_tiles * lanes,)](*args, **constants)

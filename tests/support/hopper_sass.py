@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from tqvec.kernels import hopper_stage, ops
+from tqvec.kernels import hopper_stage
 from tqvec.kernels.dp4a_stage import nibble_levels_asm
 from tqvec.kernels.int8_stage import FAST_CONVERSION_MAX_ABS_SUM
 
@@ -26,18 +26,16 @@ TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
 def compile_sm90(kernel_name: str, dim: int, bias: bool, out_dir: Path) -> dict[str, object]:
-    """``{"sass", "usage", "shared", "warps"}``: SASS, the ``cuobjdump -res-usage`` line, shared memory (bytes) and
-    warps of the kernel ``kernel_name`` for ``dim`` channels as :mod:`tqvec.kernels.ops` launches it (groups of 64
-    rows, its stages and warps, the queries resident up to 3 steps), the cubin written to ``out_dir``."""
+    """``{"sass", "usage", "shared"}``: SASS, the ``cuobjdump -res-usage`` line and shared memory (bytes) of the kernel
+    ``kernel_name`` for ``dim`` channels (groups of 64 rows, 3 stages, the queries resident up to 3 steps), the cubin
+    written to ``out_dir``."""
     decoded = kernel_name == "decoded_group_max_kernel"
     signature = {"q_ptr": "*i8", "rows_ptr" if decoded else "codes_ptr": "*i8" if decoded else "*u8",
                  "scale_ptr": "*fp32", "bias_ptr": "*fp32", "qfac_ptr": "*fp32", "abs_sum_ptr": "*i32",
                  "out_ptr": "*fp32", "unit_ptr": "*fp32", "nq": "i32", "n": "i32", "stride_q": "i32",
                  "stride_rows": "i32", "stride_out": "i32"}
     names = list(signature)
-    warps = ops.HOPPER_DECODED_WARPS if decoded else ops.HOPPER_FUSED_WARPS
-    constexprs = {"K_PAD": -(-dim // 128) * 128, "HAS_BIAS": bias, "GROUP_N": 64,
-                  "STAGES": ops.HOPPER_DECODED_STAGES if decoded else ops.FUSED_STAGES,
+    constexprs = {"K_PAD": -(-dim // 128) * 128, "HAS_BIAS": bias, "GROUP_N": 64, "STAGES": 3,
                   "RESIDENT_Q": dim <= 384, "FAST_MAX_ABS_SUM": FAST_CONVERSION_MAX_ABS_SUM}
     if not decoded:
         constexprs.update(NBYTES=dim // 2, ASM=nibble_levels_asm(LEVELS))
@@ -45,14 +43,14 @@ def compile_sm90(kernel_name: str, dim: int, bias: bool, out_dir: Path) -> dict[
     aligned = [name for name in names if name.endswith("_ptr")] + ["n", "stride_q", "stride_rows"]
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     kernel = triton.compile(GluonASTSource(getattr(hopper_stage, kernel_name), signature, constexprs, attrs),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": hopper_stage.NUM_WARPS})
     cubin = out_dir / "kernel.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
     sass = subprocess.run([TOOLS / "cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
     usage = subprocess.run([TOOLS / "cuobjdump", "-res-usage", cubin], capture_output=True, text=True,
                            check=True).stdout
     return {"sass": sass, "usage": next(line for line in usage.splitlines() if "REG:" in line),
-            "shared": kernel.metadata.shared, "warps": warps}
+            "shared": kernel.metadata.shared}
 
 
 if __name__ == "__main__":
