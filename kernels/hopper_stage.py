@@ -9,10 +9,10 @@ wait and on each new tile's first copies (docs/gpu.md). :func:`group_max_kernel`
 of programs (as many as the multiprocessors hold at once: two, by its registers), each keeping a query tile and looping
 over row tiles: the copies of queries and codes run ``STAGES - 1`` channel steps ahead through a ring of buffers,
 across row tiles, and a step's products (``wgmma``) are waited for only after the next step has decoded into the other
-of two level buffers. :func:`decoded_group_max_kernel` does the same over rows already decoded to int8 levels (large
-batches decode the rows once), its products read straight from the ring. Gluon kernels do not run under
-``TRITON_INTERPRET=1``: CI compiles them for sm_90a and checks that structure in their machine code
-(tests/test_hopper_stage.py); on a Hopper GPU the tests compare their maxima with the Triton kernel's.
+of two level buffers. With ``DECODED`` it does the same over rows already decoded to int8 levels (large batches
+decode the rows once), the products reading them straight from the ring. Gluon kernels do not run under
+``TRITON_INTERPRET=1``: CI compiles this one for sm_90a and checks that structure in its machine code
+(tests/test_hopper_stage.py); on a Hopper GPU the tests compare its maxima with the Triton kernel's.
 """
 from __future__ import annotations
 
@@ -32,13 +32,13 @@ _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_g
 #: a barrier of the block's threads (``barrier`` in newer Triton, ``thread_barrier`` in 3.6)
 _block_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
-#: queries and rows per tile and channels per step of :func:`group_max_kernel`, launched with ``NUM_WARPS`` warps (one
-#: warpgroup)
+#: queries and rows per tile and channels per step of :func:`group_max_kernel`, launched with ``NUM_WARPS`` warps
+#: (one warpgroup)
 BLOCK_Q = gl.constexpr(128)
 BLOCK_N = gl.constexpr(128)
 BLOCK_K = gl.constexpr(128)
 NUM_WARPS = 4
-#: the layouts of both kernels: tensor-core products (one warpgroup, 128 × 128 tiles), copies of int8 tiles and of
+#: the kernel's layouts: tensor-core products (one warpgroup, 128 × 128 tiles), copies of int8 tiles and of
 #: packed code tiles, int8 tiles in shared memory as ``wgmma`` operands, one value per thread of a row tile
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32]))
 TILE_LOAD = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
@@ -58,34 +58,24 @@ def _copy_tile(src_ptr, smem, buf, offs, mask, step, stride):
 @gluon.jit
 def _issue_step(q_ptr, codes_ptr, q_smem, c_smem, offs_q, q_mask, first_tile, lanes, n, g, total, stride_q,
                 stride_rows, NBYTES: gl.constexpr, STEPS: gl.constexpr, STAGES: gl.constexpr,
-                RESIDENT_Q: gl.constexpr):
+                RESIDENT_Q: gl.constexpr, DECODED: gl.constexpr):
     """Start the asynchronous copies of the program's step ``g`` (row tile ``first_tile + (g // STEPS) · lanes``,
-    channel step ``g % STEPS``): its code tile and, unless the queries are resident (``RESIDENT_Q``), its query tile
-    into ring buffer ``g % STAGES``; nothing from ``total`` on (the copy group is committed either way)."""
+    channel step ``g % STEPS``): its code tile (``DECODED``: its tile of int8 levels) and, unless the queries are
+    resident (``RESIDENT_Q``), its query tile into ring buffer ``g % STAGES``; nothing from ``total`` on (the copy
+    group is committed either way)."""
     buf = g % STAGES
     live = g < total
     step = g % STEPS
-    rows = (first_tile + (g // STEPS) * lanes) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CODE_LOAD))
     if not RESIDENT_Q:
         _copy_tile(q_ptr, q_smem, buf, offs_q, q_mask & live, step, stride_q)
-    byte = step * (BLOCK_K // 2) + gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, CODE_LOAD))
-    c_ptrs = codes_ptr + rows.to(gl.int64)[:, None] * stride_rows + byte[None, :]
-    _async_load(c_smem.index(buf), c_ptrs, mask=(rows < n)[:, None] & (byte < NBYTES)[None, :] & live)
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _issue_rows_step(q_ptr, rows_ptr, q_smem, r_smem, offs_q, q_mask, first_tile, lanes, n, g, total, stride_q,
-                     stride_rows, STEPS: gl.constexpr, STAGES: gl.constexpr, RESIDENT_Q: gl.constexpr):
-    """:func:`_issue_step` for rows already decoded to int8 levels (``rows_ptr``, ``K_PAD`` channels): the step's
-    row tile and, unless ``RESIDENT_Q``, query tile into ring buffer ``g % STAGES``."""
-    buf = g % STAGES
-    live = g < total
-    step = g % STEPS
-    rows = (first_tile + (g // STEPS) * lanes) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, TILE_LOAD))
-    if not RESIDENT_Q:
-        _copy_tile(q_ptr, q_smem, buf, offs_q, q_mask & live, step, stride_q)
-    _copy_tile(rows_ptr, r_smem, buf, rows, (rows < n) & live, step, stride_rows)
+    if DECODED:
+        rows = (first_tile + (g // STEPS) * lanes) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, TILE_LOAD))
+        _copy_tile(codes_ptr, c_smem, buf, rows, (rows < n) & live, step, stride_rows)
+    else:
+        rows = (first_tile + (g // STEPS) * lanes) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CODE_LOAD))
+        byte = step * (BLOCK_K // 2) + gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, CODE_LOAD))
+        c_ptrs = codes_ptr + rows.to(gl.int64)[:, None] * stride_rows + byte[None, :]
+        _async_load(c_smem.index(buf), c_ptrs, mask=(rows < n)[:, None] & (byte < NBYTES)[None, :] & live)
     async_copy.commit_group()
 
 
@@ -154,7 +144,7 @@ def group_max_kernel(
     q_ptr, codes_ptr, scale_ptr, bias_ptr, qfac_ptr, abs_sum_ptr, out_ptr, unit_ptr,
     nq, n, stride_q, stride_rows, stride_out,
     K_PAD: gl.constexpr, NBYTES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_N: gl.constexpr, STAGES: gl.constexpr,
-    RESIDENT_Q: gl.constexpr, ASM: gl.constexpr, FAST_MAX_ABS_SUM: gl.constexpr,
+    RESIDENT_Q: gl.constexpr, ASM: gl.constexpr, FAST_MAX_ABS_SUM: gl.constexpr, DECODED: gl.constexpr,
 ):
     """:func:`~.int8_stage.group_max_kernel`'s maxima with ``FUSED`` (its arguments less ``grid_ptr``, ``group0`` and
     ``GROUP_Q``; ``ASM`` required): ``out[q, g]`` = max over the rows ``i`` of group ``g`` of ``unit / qfac[q] ·
@@ -164,14 +154,19 @@ def group_max_kernel(
     and a multiple of the query tiles as programs: program ``p`` takes query tile ``p % n_q_tiles`` and row tiles
     ``p // n_q_tiles``, ``+ lanes``, … (``lanes`` = programs / query tiles), its copies running ``STAGES - 1``
     channel steps ahead across row tiles. ``RESIDENT_Q``: the query tile's ``K_PAD`` channels are copied to shared
-    memory once per program instead of once per step and row tile."""
+    memory once per program instead of once per step and row tile. ``DECODED``: ``codes_ptr`` holds rows already
+    decoded to int8 levels ``(n, K_PAD)`` (large batches decode the rows once; ``NBYTES`` and ``ASM`` unused), copied
+    into the ring like the queries and read from there by ``wgmma``."""
     STEPS: gl.constexpr = K_PAD // BLOCK_K
     q_tile, first_tile, lanes, my_tiles = _wave_share(nq, n)
     total = my_tiles * STEPS
     q_smem = gl.allocate_shared_memory(gl.int8, [STEPS if RESIDENT_Q else STAGES, BLOCK_Q, BLOCK_K], OPERAND)
-    c_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, BLOCK_K // 2],
-                                       gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    levels_smem = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N, BLOCK_K], OPERAND)
+    if DECODED:
+        c_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, BLOCK_K], OPERAND)
+    else:
+        c_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, BLOCK_K // 2],
+                                           gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        levels_smem = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N, BLOCK_K], OPERAND)
 
     offs_q_load = q_tile * BLOCK_Q + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, TILE_LOAD))
     q_mask_load = offs_q_load < nq
@@ -181,7 +176,7 @@ def group_max_kernel(
         async_copy.commit_group()
     for ahead in gl.static_range(STAGES - 1):
         _issue_step(q_ptr, codes_ptr, q_smem, c_smem, offs_q_load, q_mask_load, first_tile, lanes, n, ahead, total,
-                    stride_q, stride_rows, NBYTES, STEPS, STAGES, RESIDENT_Q)
+                    stride_q, stride_rows, NBYTES, STEPS, STAGES, RESIDENT_Q, DECODED)
     fast, per_query = _query_terms(q_tile, nq, qfac_ptr, abs_sum_ptr, unit_ptr, FAST_MAX_ABS_SUM)
 
     for i in range(my_tiles):
@@ -191,71 +186,24 @@ def group_max_kernel(
         for step in range(STEPS):
             g = i * STEPS + step
             async_copy.wait_group(STAGES - 2)
-            raw = c_smem.index(g % STAGES).load(CODE_LOAD)
-            low, high = gl.inline_asm_elementwise(ASM, "=r,=r,r", [raw], dtype=(gl.int8, gl.int8), is_pure=True,
-                                                  pack=4)
-            level_buf = levels_smem.index(g % 2)
-            level_buf.store(gl.reshape(gl.join(low, high), [BLOCK_N, BLOCK_K]))
+            if DECODED:
+                levels = c_smem.index(g % STAGES)
+            else:
+                raw = c_smem.index(g % STAGES).load(CODE_LOAD)
+                low, high = gl.inline_asm_elementwise(ASM, "=r,=r,r", [raw], dtype=(gl.int8, gl.int8),
+                                                      is_pure=True, pack=4)
+                levels = levels_smem.index(g % 2)
+                levels.store(gl.reshape(gl.join(low, high), [BLOCK_N, BLOCK_K]))
             fence_async_shared()
             _block_barrier()
             if RESIDENT_Q:
                 queries = q_smem.index(step)
             else:
                 queries = q_smem.index(g % STAGES)
-            acc = warpgroup_mma(queries, level_buf.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(queries, levels.permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             _issue_step(q_ptr, codes_ptr, q_smem, c_smem, offs_q_load, q_mask_load, first_tile, lanes, n,
-                        g + STAGES - 1, total, stride_q, stride_rows, NBYTES, STEPS, STAGES, RESIDENT_Q)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _store_maxima(acc, fast, per_query, scale, bias, q_tile, row_tile, nq, n, out_ptr, stride_out, HAS_BIAS,
-                      GROUP_N)
-    async_copy.wait_group(0)
-
-
-@gluon.jit
-def decoded_group_max_kernel(
-    q_ptr, rows_ptr, scale_ptr, bias_ptr, qfac_ptr, abs_sum_ptr, out_ptr, unit_ptr,
-    nq, n, stride_q, stride_rows, stride_out,
-    K_PAD: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_N: gl.constexpr, STAGES: gl.constexpr,
-    RESIDENT_Q: gl.constexpr, FAST_MAX_ABS_SUM: gl.constexpr,
-):
-    """:func:`group_max_kernel`'s maxima over rows already decoded to int8 levels: ``rows_ptr`` ``(n, K_PAD)`` int8
-    (rows 16-byte aligned), the rest as there. Both operands of the products are copied into the ring of shared-memory
-    buffers and read from there by ``wgmma``; a step's products are waited for after the next step's are issued."""
-    STEPS: gl.constexpr = K_PAD // BLOCK_K
-    q_tile, first_tile, lanes, my_tiles = _wave_share(nq, n)
-    total = my_tiles * STEPS
-    q_smem = gl.allocate_shared_memory(gl.int8, [STEPS if RESIDENT_Q else STAGES, BLOCK_Q, BLOCK_K], OPERAND)
-    r_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, BLOCK_K], OPERAND)
-
-    offs_q_load = q_tile * BLOCK_Q + gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, TILE_LOAD))
-    q_mask_load = offs_q_load < nq
-    if RESIDENT_Q:
-        for q_step in gl.static_range(STEPS):
-            _copy_tile(q_ptr, q_smem, q_step, offs_q_load, q_mask_load, q_step, stride_q)
-        async_copy.commit_group()
-    for ahead in gl.static_range(STAGES - 1):
-        _issue_rows_step(q_ptr, rows_ptr, q_smem, r_smem, offs_q_load, q_mask_load, first_tile, lanes, n, ahead,
-                         total, stride_q, stride_rows, STEPS, STAGES, RESIDENT_Q)
-    fast, per_query = _query_terms(q_tile, nq, qfac_ptr, abs_sum_ptr, unit_ptr, FAST_MAX_ABS_SUM)
-
-    for i in range(my_tiles):
-        row_tile = first_tile + i * lanes
-        scale, bias = _row_terms(scale_ptr, bias_ptr, row_tile, n, HAS_BIAS)
-        acc = gl.full([BLOCK_Q, BLOCK_N], ACC_BIAS, gl.int32, layout=MMA)
-        for step in range(STEPS):
-            g = i * STEPS + step
-            async_copy.wait_group(STAGES - 2)
-            fence_async_shared()
-            _block_barrier()
-            if RESIDENT_Q:
-                queries = q_smem.index(step)
-            else:
-                queries = q_smem.index(g % STAGES)
-            acc = warpgroup_mma(queries, r_smem.index(g % STAGES).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            _issue_rows_step(q_ptr, rows_ptr, q_smem, r_smem, offs_q_load, q_mask_load, first_tile, lanes, n,
-                             g + STAGES - 1, total, stride_q, stride_rows, STEPS, STAGES, RESIDENT_Q)
+                        g + STAGES - 1, total, stride_q, stride_rows, NBYTES, STEPS, STAGES, RESIDENT_Q, DECODED)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         _store_maxima(acc, fast, per_query, scale, bias, q_tile, row_tile, nq, n, out_ptr, stride_out, HAS_BIAS,
                       GROUP_N)

@@ -139,7 +139,7 @@ FUSED_STAGES = 3
 #: fewest channel steps of :data:`FUSED_BLOCK_K` for which the fused stage 1 runs the Gluon kernel on Hopper
 #: (:attr:`SearchSettings.int8_hopper`)
 HOPPER_MIN_STEPS = 2
-#: its ring of shared-memory buffers over rows decoded to int8 (:func:`~.hopper_stage.decoded_group_max_kernel`)
+#: its ring of shared-memory buffers over rows decoded to int8 (:func:`~.hopper_stage.group_max_kernel`, ``DECODED``)
 HOPPER_DECODED_STAGES = 3
 #: its programs copy their query tile to shared memory once (not once per step and row tile) when it has at most this
 #: many channel steps (then it takes no more shared memory than the ring of query buffers)
@@ -223,8 +223,7 @@ class SearchSettings:
     int8_hopper : bool
         On Hopper GPUs (compute capability 9.0) the int8 stage 1 over at least :data:`HOPPER_MIN_STEPS` channel
         steps of 128 runs Gluon kernels (products issued asynchronously, copies running ahead across row tiles):
-        :func:`~.hopper_stage.group_max_kernel` on code tiles (fused), :func:`~.hopper_stage.decoded_group_max_kernel`
-        on decoded rows; off: the Triton kernel.
+        :func:`~.hopper_stage.group_max_kernel` on code tiles (fused) and on decoded rows; off: the Triton kernel.
     """
 
     cuda_graphs: bool = True
@@ -662,10 +661,10 @@ def _int8_group_maxima(q: torch.Tensor, block: CodeBlock, table: CodeTable, out:
     bias_ptr = _dummy(bias, scale)
     steps = channels // block_k
     if fused and _hopper_fused_serves(q8, block.packed, steps, (cfg.block_q, tile_rows, block_k)):
-        _hopper_launch(hopper_stage.group_max_kernel, (q8, block.packed, scale, bias_ptr, qfac, abs_sum, out, unit, nq,
-                                                       n, q8.stride(0), block.packed.stride(0), out.stride(0)),
+        _hopper_launch((q8, block.packed, scale, bias_ptr, qfac, abs_sum, out, unit, nq, n, q8.stride(0),
+                        block.packed.stride(0), out.stride(0)),
                        K_PAD=channels, NBYTES=launch["NBYTES"], HAS_BIAS=bias is not None, GROUP_N=cfg.block_n,
-                       STAGES=FUSED_STAGES, ASM=launch["ASM"])
+                       STAGES=FUSED_STAGES, ASM=launch["ASM"], DECODED=False)
         return
     if fused:
         group_maxima(block.packed, n, 0, scale, bias_ptr)
@@ -683,10 +682,10 @@ def _int8_group_maxima(q: torch.Tensor, block: CodeBlock, table: CodeTable, out:
         )
         row_bias = bias_ptr if bias is None else bias[first:]
         if on_hopper:
-            _hopper_launch(hopper_stage.decoded_group_max_kernel,
-                           (q8, decoded, scale[first:], row_bias, qfac, abs_sum, out[:, first // cfg.block_n:], unit,
+            _hopper_launch((q8, decoded, scale[first:], row_bias, qfac, abs_sum, out[:, first // cfg.block_n:], unit,
                             nq, rows, q8.stride(0), decoded.stride(0), out.stride(0)),
-                           K_PAD=channels, HAS_BIAS=bias is not None, GROUP_N=cfg.block_n, STAGES=HOPPER_DECODED_STAGES)
+                           K_PAD=channels, NBYTES=channels, HAS_BIAS=bias is not None, GROUP_N=cfg.block_n,
+                           STAGES=HOPPER_DECODED_STAGES, ASM="", DECODED=True)
         else:
             group_maxima(decoded, rows, first // cfg.block_n, scale[first:], row_bias)
 
@@ -708,7 +707,7 @@ def _hopper_fused_serves(q8: torch.Tensor, codes: torch.Tensor, steps: int, tili
 
 
 def _hopper_decoded_serves(q8: torch.Tensor, channels: int, group_n: int, chunk_rows: int) -> bool:
-    """Whether the int8 stage 1 over decoded rows runs :func:`~.hopper_stage.decoded_group_max_kernel`:
+    """Whether the int8 stage 1 over decoded rows runs :func:`~.hopper_stage.group_max_kernel` (``DECODED``):
     :func:`_on_hopper`, ``channels`` (the decoded rows' width) at least :data:`HOPPER_MIN_STEPS` of the kernel's
     channel steps and a multiple of one, and groups of ``group_n`` rows that its row tiles and the chunks of
     ``chunk_rows`` rows hold whole."""
@@ -719,14 +718,15 @@ def _hopper_decoded_serves(q8: torch.Tensor, channels: int, group_n: int, chunk_
             and chunk_rows % group_n == 0)
 
 
-def _hopper_launch(kernel: triton.runtime.JITFunction, args: tuple, **constants: object) -> None:
-    """Launch a kernel of :mod:`.hopper_stage` on ``args`` (``q8`` first, ``nq`` and ``n`` ninth and tenth) and its
-    ``constants`` (``RESIDENT_Q``, ``FAST_MAX_ABS_SUM`` and the warps added here) as one wave (:func:`_wave_lanes`), at
-    most one program per query tile and row tile."""
+def _hopper_launch(args: tuple, **constants: object) -> None:
+    """Launch :func:`~.hopper_stage.group_max_kernel` on ``args`` (``q8`` first, ``nq`` and ``n`` ninth and tenth) and
+    its ``constants`` (``RESIDENT_Q``, ``FAST_MAX_ABS_SUM`` and the warps added here) as one wave
+    (:func:`_wave_lanes`), at most one program per query tile and row tile."""
     q8, nq, n = args[0], args[8], args[9]
     constants.update(RESIDENT_Q=constants["K_PAD"] // hopper_stage.BLOCK_K.value <= HOPPER_RESIDENT_QUERY_STEPS,
                      FAST_MAX_ABS_SUM=FAST_CONVERSION_MAX_ABS_SUM, num_warps=hopper_stage.NUM_WARPS)
     q_tiles = cdiv(nq, hopper_stage.BLOCK_Q.value)
+    kernel = hopper_stage.group_max_kernel
     lanes = min(cdiv(n, hopper_stage.BLOCK_N.value), _wave_lanes(kernel, args, constants, q8.device, q_tiles))
     kernel[(q_tiles * lanes,)](*args, **constants)
 

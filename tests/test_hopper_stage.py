@@ -1,10 +1,10 @@
-"""The Gluon stage 1 for Hopper (tqvec.kernels.hopper_stage: on code tiles and on decoded rows), compiled for sm_90a
+"""The Gluon stage 1 for Hopper (tqvec.kernels.hopper_stage, on code tiles and on decoded rows), compiled for sm_90a
 without a GPU.
 
-Gluon kernels do not run under ``TRITON_INTERPRET=1``, so CI checks what the kernels are for in their machine code: the
+Gluon kernels do not run under ``TRITON_INTERPRET=1``, so CI checks what the kernel is for in its machine code: the
 tensor-core products of a channel step are waited for only after the next step's decode or copies (``wgmma`` groups
-waited down to one outstanding inside the loop), and two blocks fit a multiprocessor without spilling. Their results
-are compared with the Triton kernel's on a Hopper GPU (tests/test_kernels.py, ``test_hopper_stage_equals_triton_kernel``).
+waited down to one outstanding inside the loop), and two blocks fit a multiprocessor without spilling. Its results are
+compared with the Triton kernel's on a Hopper GPU (tests/test_kernels.py, ``test_hopper_stage_equals_triton_kernel``).
 """
 from __future__ import annotations
 
@@ -25,12 +25,13 @@ SHARED_PER_MULTIPROCESSOR = 227 * 1024
 DRIVER_SHARED_PER_BLOCK = 1024
 
 
-def compile_sm90(kernel: str, dim: int, bias: bool, tmp_path: Path) -> tuple[str, str, int]:
-    """SASS, ``cuobjdump -res-usage`` line and shared memory (bytes) of ``kernel`` for ``dim`` channels, compiled by
-    tests/support/hopper_sass.py in a process without ``TRITON_INTERPRET``."""
+def compile_sm90(stage: str, dim: int, bias: bool, tmp_path: Path) -> tuple[str, str, int]:
+    """SASS, ``cuobjdump -res-usage`` line and shared memory (bytes) of the kernel on code tiles (``stage`` ``"fused"``)
+    or decoded rows (``"decoded"``) for ``dim`` channels, compiled by tests/support/hopper_sass.py in a process without
+    ``TRITON_INTERPRET``."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).parent / "support" / "hopper_sass.py"
-    done = subprocess.run([sys.executable, script, kernel, str(dim), str(bias), tmp_path], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, script, stage, str(dim), str(bias), tmp_path], env=env, capture_output=True,
                           text=True, check=True)
     result = json.loads(done.stdout)
     return result["sass"], result["usage"], result["shared"]
@@ -48,27 +49,27 @@ def loop_body(sass: str) -> list[str]:
     raise AssertionError("no loop with tensor-core products in the SASS")
 
 
-KERNELS = ["group_max_kernel", "decoded_group_max_kernel"]
+STAGES = ["fused", "decoded"]
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("dim,bias", [(384, False), (1536, True)])
-def test_products_are_waited_for_one_step_late(kernel: str, dim: int, bias: bool, tmp_path: Path) -> None:
+def test_products_are_waited_for_one_step_late(stage: str, dim: int, bias: bool, tmp_path: Path) -> None:
     """Inside the loop over channel steps the products are issued (``IGMMA``) and the warps wait only until one group
     of them is outstanding (``WARPGROUP.DEPBAR.LE gsb0, 0x1``), so a step's products run during the next step's
     decode or copies; the last group is waited for after the loop."""
-    sass, _, _ = compile_sm90(kernel, dim, bias, tmp_path)
+    sass, _, _ = compile_sm90(stage, dim, bias, tmp_path)
     body = loop_body(sass)
     waits = [t for t in body if t.startswith("WARPGROUP.DEPBAR")]
     assert sum("IGMMA" in t for t in body) == 8 and waits == ["WARPGROUP.DEPBAR.LE gsb0, 0x1"]
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x0" in sass.split(body[-1], 1)[1]
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_two_blocks_fit_a_multiprocessor(kernel: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("stage", STAGES)
+def test_two_blocks_fit_a_multiprocessor(stage: str, tmp_path: Path) -> None:
     """At most 255 registers per thread and no spills to local memory; two blocks' shared memory fits a Hopper
     multiprocessor, so two tiles overlap there."""
-    _, usage, shared = compile_sm90(kernel, 768, True, tmp_path)
+    _, usage, shared = compile_sm90(stage, 768, True, tmp_path)
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     assert registers <= 255 and "LOCAL:0 " in usage
     assert 2 * (shared + DRIVER_SHARED_PER_BLOCK) <= SHARED_PER_MULTIPROCESSOR

@@ -1,8 +1,8 @@
-"""Compile a kernel of :mod:`tqvec.kernels.hopper_stage` (``group_max_kernel`` or ``decoded_group_max_kernel``) for
-sm_90a without a GPU; print its SASS, resource use and shared memory as JSON.
+"""Compile :func:`tqvec.kernels.hopper_stage.group_max_kernel` on code tiles (``fused``) or on decoded rows
+(``decoded``) for sm_90a without a GPU; print its SASS, resource use and shared memory as JSON.
 
 Run as a script in a process without ``TRITON_INTERPRET`` (under the interpreter Triton's own jitted helpers, which
-Gluon kernels call, are interpreter functions and do not compile): ``python hopper_sass.py KERNEL DIM BIAS OUT_DIR``.
+Gluon kernels call, are interpreter functions and do not compile): ``python hopper_sass.py fused|decoded DIM BIAS OUT_DIR``.
 """
 from __future__ import annotations
 
@@ -25,24 +25,23 @@ LEVELS = torch.tensor([-127, -100, -80, -60, -45, -30, -18, -6, 6, 18, 30, 45, 6
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-def compile_sm90(kernel_name: str, dim: int, bias: bool, out_dir: Path) -> dict[str, object]:
+def compile_sm90(stage: str, dim: int, bias: bool, out_dir: Path) -> dict[str, object]:
     """``{"sass", "usage", "shared"}``: SASS, the ``cuobjdump -res-usage`` line and shared memory (bytes) of the kernel
-    ``kernel_name`` for ``dim`` channels (groups of 64 rows, 3 stages, the queries resident up to 3 steps), the cubin
-    written to ``out_dir``."""
-    decoded = kernel_name == "decoded_group_max_kernel"
-    signature = {"q_ptr": "*i8", "rows_ptr" if decoded else "codes_ptr": "*i8" if decoded else "*u8",
-                 "scale_ptr": "*fp32", "bias_ptr": "*fp32", "qfac_ptr": "*fp32", "abs_sum_ptr": "*i32",
-                 "out_ptr": "*fp32", "unit_ptr": "*fp32", "nq": "i32", "n": "i32", "stride_q": "i32",
-                 "stride_rows": "i32", "stride_out": "i32"}
+    on code tiles (``stage`` ``"fused"``) or decoded rows (``"decoded"``) for ``dim`` channels (groups of 64 rows, 3
+    stages, the queries resident up to 3 steps), the cubin written to ``out_dir``."""
+    decoded = stage == "decoded"
+    signature = {"q_ptr": "*i8", "codes_ptr": "*i8" if decoded else "*u8", "scale_ptr": "*fp32", "bias_ptr": "*fp32",
+                 "qfac_ptr": "*fp32", "abs_sum_ptr": "*i32", "out_ptr": "*fp32", "unit_ptr": "*fp32", "nq": "i32",
+                 "n": "i32", "stride_q": "i32", "stride_rows": "i32", "stride_out": "i32"}
     names = list(signature)
-    constexprs = {"K_PAD": -(-dim // 128) * 128, "HAS_BIAS": bias, "GROUP_N": 64, "STAGES": 3,
-                  "RESIDENT_Q": dim <= 384, "FAST_MAX_ABS_SUM": FAST_CONVERSION_MAX_ABS_SUM}
-    if not decoded:
-        constexprs.update(NBYTES=dim // 2, ASM=nibble_levels_asm(LEVELS))
+    k_pad = -(-dim // 128) * 128
+    constexprs = {"K_PAD": k_pad, "NBYTES": k_pad if decoded else dim // 2, "HAS_BIAS": bias, "GROUP_N": 64,
+                  "STAGES": 3, "RESIDENT_Q": dim <= 384, "ASM": "" if decoded else nibble_levels_asm(LEVELS),
+                  "FAST_MAX_ABS_SUM": FAST_CONVERSION_MAX_ABS_SUM, "DECODED": decoded}
     signature.update({name: "constexpr" for name in constexprs})
     aligned = [name for name in names if name.endswith("_ptr")] + ["n", "stride_q", "stride_rows"]
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    kernel = triton.compile(GluonASTSource(getattr(hopper_stage, kernel_name), signature, constexprs, attrs),
+    kernel = triton.compile(GluonASTSource(hopper_stage.group_max_kernel, signature, constexprs, attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": hopper_stage.NUM_WARPS})
     cubin = out_dir / "kernel.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
