@@ -17,9 +17,9 @@ Search runs in two stages and never writes the ``(nq, n)`` score matrix:
    (:data:`INT8_MIN_QUERIES`) go through :mod:`.int8_stage` instead: rows decoded once per search to int8
    levels, queries scaled by ``127 / max|q|`` and rounded to int8, int32 products on tensor cores; over one 4-bit
    segment, batches of more than :data:`INT8_FUSED_MIN_QUERIES` and fewer than :data:`INT8_FUSED_MAX_QUERIES`
-   decode each code tile in registers instead (:attr:`SearchSettings.int8_fused`; on Hopper GPUs both, over two or
-   more channel steps, by :mod:`.hopper_stage` in Gluon, :attr:`SearchSettings.int8_hopper`); rows of one channel step
-   (:data:`INT8_ONE_STEP_CHANNELS`) run one wave of programs that loop over row tiles
+   decode each code tile in registers instead (:attr:`SearchSettings.int8_fused`); on Hopper GPUs, over two or more
+   128-channel steps, both forms run in Gluon (:mod:`.hopper_stage`, :attr:`SearchSettings.int8_hopper`); rows of
+   one channel step (:data:`INT8_ONE_STEP_CHANNELS`) run one wave of programs that loop over row tiles
    (:attr:`SearchSettings.int8_row_loop`).
 2. :func:`~.topk.row_topk` (Triton, exact up to the order of ties; see :mod:`.topk`) picks the
    ``k + GROUP_MARGIN`` best groups per query, and :func:`~.scan_kernel.refine_kernel` rescores their
