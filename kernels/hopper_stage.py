@@ -146,17 +146,19 @@ def group_max_kernel(
     K_PAD: gl.constexpr, NBYTES: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_N: gl.constexpr, STAGES: gl.constexpr,
     RESIDENT_Q: gl.constexpr, ASM: gl.constexpr, FAST_MAX_ABS_SUM: gl.constexpr, DECODED: gl.constexpr,
 ):
-    """:func:`~.int8_stage.group_max_kernel`'s maxima with ``FUSED`` (its arguments less ``grid_ptr``, ``group0`` and
-    ``GROUP_Q``; ``ASM`` required): ``out[q, g]`` = max over the rows ``i`` of group ``g`` of ``unit / qfac[q] ·
-    scale[i] · ⟨q8, r8_i⟩ + bias[i]``, the rows ``r8`` decoded from one 4-bit segment of ``NBYTES`` bytes per row
-    (``codes_ptr``, rows 16-byte aligned), the queries ``q8`` int8 ``(nq, K_PAD)``, ``K_PAD`` a multiple of
-    :data:`BLOCK_K`. Tiles of :data:`BLOCK_Q` queries × :data:`BLOCK_N` rows, launched with :data:`NUM_WARPS` warps
-    and a multiple of the query tiles as programs: program ``p`` takes query tile ``p % n_q_tiles`` and row tiles
-    ``p // n_q_tiles``, ``+ lanes``, … (``lanes`` = programs / query tiles), its copies running ``STAGES - 1``
-    channel steps ahead across row tiles. ``RESIDENT_Q``: the query tile's ``K_PAD`` channels are copied to shared
-    memory once per program instead of once per step and row tile. ``DECODED``: ``codes_ptr`` holds rows already
-    decoded to int8 levels ``(n, K_PAD)`` (large batches decode the rows once; ``NBYTES`` and ``ASM`` unused), copied
-    into the ring like the queries and read from there by ``wgmma``."""
+    """:func:`~.int8_stage.group_max_kernel`'s maxima (its arguments less ``grid_ptr``, ``group0`` and ``GROUP_Q``):
+    ``out[q, g]`` = max over the rows ``i`` of group ``g`` of ``unit / qfac[q] · scale[i] · ⟨q8, r8_i⟩ + bias[i]``,
+    the rows ``r8`` decoded by ``ASM`` from one 4-bit segment of ``NBYTES`` bytes per row (``codes_ptr``, rows
+    16-byte aligned; as there with ``FUSED``) or, with ``DECODED``, read as they are, the queries ``q8`` int8 ``(nq,
+    K_PAD)``, ``K_PAD`` a multiple of :data:`BLOCK_K`. Tiles of :data:`BLOCK_Q` queries × :data:`BLOCK_N` rows,
+    launched with :data:`NUM_WARPS` warps and a multiple of the query tiles as programs: program ``p`` takes query
+    tile ``p % n_q_tiles`` and row tiles ``p // n_q_tiles``, ``+ lanes``, … (``lanes`` = programs / query tiles),
+    its copies running ``STAGES - 1`` channel steps ahead across row tiles. ``RESIDENT_Q``: the query tile's
+    ``K_PAD`` channels are copied to shared memory once per program instead of once per step and row tile.
+    ``DECODED``: ``codes_ptr`` holds rows already decoded to int8 levels ``(n, K_PAD)`` (large batches decode the
+    rows once; ``NBYTES`` and ``ASM`` unused), copied into the ring like the queries and read from there by
+    ``wgmma``."""
+    gl.static_assert(STAGES >= 2, "a ring slot is refilled one step after its products were issued")
     STEPS: gl.constexpr = K_PAD // BLOCK_K
     q_tile, first_tile, lanes, my_tiles = _wave_share(nq, n)
     total = my_tiles * STEPS

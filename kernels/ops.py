@@ -17,9 +17,10 @@ Search runs in two stages and never writes the ``(nq, n)`` score matrix:
    (:data:`INT8_MIN_QUERIES`) go through :mod:`.int8_stage` instead: rows decoded once per search to int8
    levels, queries scaled by ``127 / max|q|`` and rounded to int8, int32 products on tensor cores; over one 4-bit
    segment, batches of more than :data:`INT8_FUSED_MIN_QUERIES` and fewer than :data:`INT8_FUSED_MAX_QUERIES`
-   decode each code tile in registers instead (:attr:`SearchSettings.int8_fused`); on Hopper GPUs, over two or more
-   128-channel steps, both forms run in Gluon (:mod:`.hopper_stage`, :attr:`SearchSettings.int8_hopper`); rows of
-   one channel step (:data:`INT8_ONE_STEP_CHANNELS`) run one wave of programs that loop over row tiles
+   decode each code tile in registers instead (:attr:`SearchSettings.int8_fused`); on Hopper GPUs both forms run in
+   Gluon over two or more 128-channel steps, decoded rows where their width is a multiple of 128
+   (:mod:`.hopper_stage`, :attr:`SearchSettings.int8_hopper`); rows of one channel step
+   (:data:`INT8_ONE_STEP_CHANNELS`) run one wave of programs that loop over row tiles
    (:attr:`SearchSettings.int8_row_loop`).
 2. :func:`~.topk.row_topk` (Triton, exact up to the order of ties; see :mod:`.topk`) picks the
    ``k + GROUP_MARGIN`` best groups per query, and :func:`~.scan_kernel.refine_kernel` rescores their
@@ -136,13 +137,13 @@ INT8_FUSED_MAX_QUERIES = 512
 FUSED_TILE_ROWS = 128
 FUSED_BLOCK_K = 128
 FUSED_STAGES = 3
-#: fewest channel steps of :data:`FUSED_BLOCK_K` for which the fused stage 1 runs the Gluon kernel on Hopper
+#: fewest 128-channel steps for which the int8 stage 1 (fused or over decoded rows) runs the Gluon kernel on Hopper
 #: (:attr:`SearchSettings.int8_hopper`)
 HOPPER_MIN_STEPS = 2
 #: its ring of shared-memory buffers over rows decoded to int8 (:func:`~.hopper_stage.group_max_kernel`, ``DECODED``)
 HOPPER_DECODED_STAGES = 3
 #: its programs copy their query tile to shared memory once (not once per step and row tile) when it has at most this
-#: many channel steps (then it takes no more shared memory than the ring of query buffers)
+#: many channel steps (then it takes no more shared memory than the ring of query buffers of either form's 3 stages)
 HOPPER_RESIDENT_QUERY_STEPS = FUSED_STAGES
 #: fewest channels per ``tl.dot`` step of the tile kernel: with 16, Triton 3.6 computed wrong tensor-core scores on
 #: the H200 (relative error ~1 for 4-bit codes, float16 and float32 operands alike; 32 and 64 exact)
@@ -222,8 +223,9 @@ class SearchSettings:
         program per tile.
     int8_hopper : bool
         On Hopper GPUs (compute capability 9.0) the int8 stage 1 over at least :data:`HOPPER_MIN_STEPS` channel
-        steps of 128 runs Gluon kernels (products issued asynchronously, copies running ahead across row tiles):
-        :func:`~.hopper_stage.group_max_kernel` on code tiles (fused) and on decoded rows; off: the Triton kernel.
+        steps of 128 runs :func:`~.hopper_stage.group_max_kernel` (Gluon: products issued asynchronously, copies
+        running ahead across row tiles), on code tiles (fused) and on decoded rows whose width (the channels
+        rounded up to 64) is a multiple of 128; off: the Triton kernel.
     """
 
     cuda_graphs: bool = True
@@ -706,16 +708,16 @@ def _hopper_fused_serves(q8: torch.Tensor, codes: torch.Tensor, steps: int, tili
             and codes.stride(0) % 16 == 0 and codes.data_ptr() % 16 == 0)
 
 
-def _hopper_decoded_serves(q8: torch.Tensor, channels: int, group_n: int, chunk_rows: int) -> bool:
+def _hopper_decoded_serves(q8: torch.Tensor, channels: int, group_n: int, tile_rows: int) -> bool:
     """Whether the int8 stage 1 over decoded rows runs :func:`~.hopper_stage.group_max_kernel` (``DECODED``):
     :func:`_on_hopper`, ``channels`` (the decoded rows' width) at least :data:`HOPPER_MIN_STEPS` of the kernel's
-    channel steps and a multiple of one, and groups of ``group_n`` rows that its row tiles and the chunks of
-    ``chunk_rows`` rows hold whole."""
+    channel steps and a multiple of one, and groups of ``group_n`` rows that its row tiles and the chunks (whole
+    tiles of ``tile_rows`` rows) hold whole."""
     if not _on_hopper(q8):
         return False
     block_k, block_n = hopper_stage.BLOCK_K.value, hopper_stage.BLOCK_N.value
     return (channels % block_k == 0 and channels // block_k >= HOPPER_MIN_STEPS and block_n % group_n == 0
-            and chunk_rows % group_n == 0)
+            and tile_rows % group_n == 0)
 
 
 def _hopper_launch(args: tuple, **constants: object) -> None:

@@ -57,12 +57,16 @@ STAGES = ["fused", "decoded"]
 def test_products_are_waited_for_one_step_late(stage: str, dim: int, bias: bool, tmp_path: Path) -> None:
     """Inside the loop over channel steps the products are issued (``IGMMA``) and the warps wait only until one group
     of them is outstanding (``WARPGROUP.DEPBAR.LE gsb0, 0x1``), so a step's products run during the next step's
-    decode or copies; the last group is waited for after the loop."""
+    decode or copies; the copies into the ring (``LDGSTS``) come after that wait; the last group is waited for after
+    the loop."""
     sass, _, _ = compile_sm90(stage, dim, bias, tmp_path)
     body = loop_body(sass)
     waits = [t for t in body if t.startswith("WARPGROUP.DEPBAR")]
     assert sum("IGMMA" in t for t in body) == 8 and waits == ["WARPGROUP.DEPBAR.LE gsb0, 0x1"]
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x0" in sass.split(body[-1], 1)[1]
+    # the copies refilling the ring come after that wait: the slot they refill is no longer read by products
+    copies = [i for i, t in enumerate(body) if "LDGSTS" in t]
+    assert copies and min(copies) > body.index(waits[0])
 
 
 @pytest.mark.parametrize("stage", STAGES)
