@@ -66,13 +66,14 @@ def _issue_step(q_ptr, codes_ptr, q_smem, c_smem, offs_q, q_mask, first_tile, la
     buf = g % STAGES
     live = g < total
     step = g % STEPS
+    first_row = (first_tile + (g // STEPS) * lanes) * BLOCK_N
     if not RESIDENT_Q:
         _copy_tile(q_ptr, q_smem, buf, offs_q, q_mask & live, step, stride_q)
     if DECODED:
-        rows = (first_tile + (g // STEPS) * lanes) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, TILE_LOAD))
+        rows = first_row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, TILE_LOAD))
         _copy_tile(codes_ptr, c_smem, buf, rows, (rows < n) & live, step, stride_rows)
     else:
-        rows = (first_tile + (g // STEPS) * lanes) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CODE_LOAD))
+        rows = first_row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CODE_LOAD))
         byte = step * (BLOCK_K // 2) + gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, CODE_LOAD))
         c_ptrs = codes_ptr + rows.to(gl.int64)[:, None] * stride_rows + byte[None, :]
         _async_load(c_smem.index(buf), c_ptrs, mask=(rows < n)[:, None] & (byte < NBYTES)[None, :] & live)

@@ -704,7 +704,7 @@ def _hopper_fused_serves(q8: torch.Tensor, codes: torch.Tensor, steps: int, tili
     :data:`HOPPER_MIN_STEPS` channel steps, the kernel's ``tiling`` (queries, rows, channels per step) and code rows
     16-byte aligned (its copies move 16 bytes at a time)."""
     return (_on_hopper(q8) and steps >= HOPPER_MIN_STEPS
-            and tiling == (hopper_stage.BLOCK_Q, hopper_stage.BLOCK_N, hopper_stage.BLOCK_K)
+            and tiling == (hopper_stage.BLOCK_Q.value, hopper_stage.BLOCK_N.value, hopper_stage.BLOCK_K.value)
             and codes.stride(0) % 16 == 0 and codes.data_ptr() % 16 == 0)
 
 
