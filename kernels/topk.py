@@ -13,6 +13,11 @@ pass (one split per row), decodes the best ``k_out`` of them. :func:`row_topk` c
 first splits each row over many programs (so that 100 queries × 8192 group maxima use 800 programs,
 not 100), each further pass merges ``K_PAD`` keys per split.
 
+Rows of many queries take one program each (:func:`filtered_topk_kernel`): a floor that at least ``K_PAD`` of the
+row's candidates reach, rising as the row streams by, lets through only the few candidates that can be among the
+best; those are gathered and selected once (all of them, if more than ``FILTER_CAP`` pass). No sort runs over the
+rest, where the passes above sort every block.
+
 In the search, the refine kernel keeps each refined slice's best ``K_PAD`` as keys (:func:`best_keys`), so
 the final answer is one :func:`keys_topk` pass over ``(k + 8) · K_PAD`` keys instead of a top-k over all
 ``(k + 8) · 128`` refined scores.
@@ -40,6 +45,14 @@ MAX_SPLITS_FEW = 128
 SMALL_NQ = 8
 #: a pass over at most this many blocks runs as one program per row
 SERIAL_BLOCKS = 4
+
+#: :func:`filtered_topk_kernel` serves rows without ids of at least ``FILTER_MIN_ROWS`` rows and ``k_pad(k)`` up to
+#: ``FILTER_MAX_K_PAD``: candidates per block, and candidates passed on per row to the one selection (beyond: every
+#: candidate, merged block by block)
+FILTER_MIN_ROWS = SMALL_NQ
+FILTER_MAX_K_PAD = 64
+FILTER_BLOCK = 4096
+FILTER_CAP = 512
 
 #: run ``tl.topk`` under the interpreter too (slow: tests of a few tiny shapes set it)
 INTERPRET_BITONIC = False
@@ -150,6 +163,52 @@ def topk_kernel(
         tl.store(out_keys_ptr + row * stride_out + split * K_PAD + tl.arange(0, K_PAD), best)
 
 
+@triton.jit
+def filtered_topk_kernel(
+    val_ptr, passed_ptr, out_val_ptr, out_idx_ptr, length, stride_in, stride_out, k_out,
+    K_PAD: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, BITONIC: tl.constexpr,
+):
+    """The best ``k_out ≤ K_PAD`` of row ``r``'s candidates ``val[r, :length]`` (float32, ids the columns), program r:
+    values to ``out_val[r, :k_out]``, ids to ``out_idx[r, :k_out]``, best first (as :func:`topk_kernel` with
+    ``FINAL``).
+
+    The columns seen so far fall into ``K_PAD`` strips (column mod ``K_PAD``); the least of the strips' maxima is a
+    floor that ``K_PAD`` distinct candidates reach, so the ``K_PAD`` best are at or above it. It only rises as blocks
+    of ``BLOCK`` stream by, and each block passes its columns at or above the current floor to ``passed[r, :CAP]``
+    (int32 scratch). The best ``K_PAD`` keys of the passed columns are the row's; if more than ``CAP`` pass, every
+    block is merged instead.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    values_row = val_ptr + row * stride_in
+    passed_row = passed_ptr + row * CAP
+    strips = tl.full([K_PAD], float("-inf"), tl.float32)
+    count = tl.sum(tl.zeros([K_PAD], tl.int32), axis=0)
+    for start in range(0, length, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        inside = cols < length
+        values = tl.load(values_row + cols, mask=inside, other=float("-inf"))
+        strips = tl.maximum(strips, tl.max(tl.reshape(values, [BLOCK // K_PAD, K_PAD]), axis=0))
+        through = inside & (values >= tl.min(strips, axis=0))
+        slot = count + tl.cumsum(through.to(tl.int32), axis=0) - 1
+        tl.store(passed_row + slot, cols, mask=through & (slot < CAP))
+        count += tl.sum(through.to(tl.int32), axis=0)
+    tl.debug_barrier()
+    if count <= CAP:
+        pos = tl.arange(0, CAP)
+        have = pos < count
+        cols = tl.load(passed_row + pos, mask=have, other=0)
+        values = tl.load(values_row + cols, mask=have, other=float("-inf"))
+        best = _top(tl.where(have, _keys(values, cols), -9223372036854775808), K_PAD, BITONIC)
+    else:
+        best = tl.full([K_PAD], -9223372036854775808, tl.int64)
+        for start in range(0, length, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            inside = cols < length
+            values = tl.load(values_row + cols, mask=inside, other=float("-inf"))
+            best = _merge(best, tl.where(inside, _keys(values, cols), -9223372036854775808), K_PAD, BITONIC)
+    _store_final(best, out_val_ptr, out_idx_ptr, row, stride_out, k_out, True, K_PAD)
+
+
 def bitonic() -> bool:
     """Select with ``tl.topk`` (always on the GPU; under the interpreter only with ``INTERPRET_BITONIC``)."""
     return INTERPRET_BITONIC or os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
@@ -198,7 +257,23 @@ def row_topk(
     if not supported(kc):
         best, pos = torch.topk(values, kc, dim=1)
         return best, pos if ids is None else ids.gather(1, pos)
+    if ids is None and nq >= FILTER_MIN_ROWS and k_pad(kc) <= FILTER_MAX_K_PAD:
+        return _filtered(values, kc, block)
     return _passes(values, ids, None, kc, block)
+
+
+def _filtered(values: torch.Tensor, kc: int, block: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`row_topk` of ``values`` ``(nq, length)`` by :func:`filtered_topk_kernel` (``kc ≥ 1``, ids the columns)."""
+    nq, length = values.shape
+    kp = k_pad(kc)
+    block = max(block or FILTER_BLOCK, kp)
+    out_val = torch.empty(nq, kc, dtype=torch.float32, device=values.device)
+    out_idx = torch.empty(nq, kc, dtype=torch.int64, device=values.device)
+    cap = max(FILTER_CAP, kp)
+    passed = torch.empty(nq, cap, dtype=torch.int32, device=values.device)
+    filtered_topk_kernel[(nq,)](values, passed, out_val, out_idx, length, values.stride(0), kc, kc, K_PAD=kp,
+                                BLOCK=block, CAP=cap, BITONIC=bitonic(), num_warps=_warps(block))
+    return out_val, out_idx
 
 
 def keys_topk(keys: torch.Tensor, k: int, *, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,6 +27,10 @@ def _values(nq: int, length: int, kind: str, seed: int) -> torch.Tensor:
         v[v == -3] = float("-inf")
         v[v == -2] = -0.0
         return v
+    if kind == "constant":  # every candidate at the floor
+        return torch.full((nq, length), 0.5)
+    if kind == "ascending":  # each block above the last: the filter's floor lets most candidates through
+        return torch.sort(torch.randn(nq, length, generator=gen), dim=1).values
     if kind == "inf":  # mostly -inf (the tile kernel's padding), a few finite
         v = torch.full((nq, length), float("-inf"))
         v[:, ::7] = torch.randn(nq, (length + 6) // 7, generator=gen)
@@ -63,10 +67,35 @@ def _check(got: tuple[torch.Tensor, torch.Tensor], values: torch.Tensor, k: int,
     (1, 70, 33, 16, "ties"),         # K_PAD (64) above the block (16): the block grows to 2 · K_PAD
     (4, 100, 2, 16, "randn"),        # smallest K_PAD
 ])
-def test_row_topk_matches_torch(nq: int, length: int, k: int, block: int, kind: str) -> None:
+def test_row_topk_matches_torch(monkeypatch: pytest.MonkeyPatch, nq: int, length: int, k: int, block: int,
+                                kind: str) -> None:
+    """The passes of topk_kernel, at any number of rows (the filtered kernel is tested below)."""
+    monkeypatch.setattr(topk, "FILTER_MIN_ROWS", 1 << 30)
     values = _values(nq, length, kind, seed=length + k)
     got = topk.row_topk(values.to(KERNEL_DEVICE), k, block=block)
     _check(got, values, k, None)
+
+
+@pytest.mark.parametrize("cap", [512, 16])  # the passed candidates selected once / too many pass: every block merged
+@pytest.mark.parametrize("nq,length,k,block,kind", [
+    (8, 300, 18, 32, "randn"),       # the group choice's k_pad (32 strips)
+    (9, 200, 10, 16, "ties"),        # ties at the floor, -inf and ±0
+    (10, 130, 9, 16, "inf"),         # mostly -inf: strips without a finite candidate
+    (8, 5, 10, 16, "randn"),         # k > length
+    (12, 1000, 3, 64, "randn"),      # 4 strips, many blocks
+    (8, 700, 20, 32, "ascending"),   # the floor rises with every block
+    (8, 300, 10, 32, "constant"),    # every candidate equal to the floor: all pass, ids break the ties
+])
+def test_filtered_topk_matches_torch(monkeypatch: pytest.MonkeyPatch, cap: int, nq: int, length: int, k: int, block: int,
+                                     kind: str) -> None:
+    """Rows of at least FILTER_MIN_ROWS queries take filtered_topk_kernel, with torch.topk's answer whether the
+    candidates passing its floor fit in FILTER_CAP or not."""
+    monkeypatch.setattr(topk, "FILTER_CAP", cap)
+    calls = []
+    monkeypatch.setattr(topk, "_filtered", lambda *a, f=topk._filtered: calls.append(1) or f(*a))
+    values = _values(nq, length, kind, seed=length + k)
+    _check(topk.row_topk(values.to(KERNEL_DEVICE), k, block=block), values, k, None)
+    assert calls == [1]
 
 
 @pytest.mark.parametrize("nq,length,k,block,kind", [(2, 10, 4, 16, "ties"), (1, 40, 3, 16, "randn")])
