@@ -200,8 +200,9 @@ class SearchSettings:
         Select groups and the final top-k with :mod:`.topk`'s Triton kernels (off: ``torch.topk``) …
     triton_topk_max_queries : int
         … except the group choice (and a final top-k over all refined scores) of more queries per search chunk than
-        this, where ``torch.topk`` was faster on the H200 (bench/results/gpu_topk.md); the final top-k over each refined
-        slice's best keys stays in Triton for any number of queries.
+        this, where ``torch.topk`` was faster on the H200 than the passes of :func:`~.topk.topk_kernel`
+        (bench/results/gpu_topk.md). A group choice that :func:`~.topk.filter_serves` and the final top-k over each
+        refined slice's best keys stay in Triton for any number of queries.
     graph_cache_size : int
         Captured graphs kept (least recently used dropped).
     matvec_permutes : bool
@@ -763,7 +764,9 @@ def _topk_block() -> int | None:
 def select_groups(group_max: torch.Tensor, kg: int) -> torch.Tensor:
     """Indices ``(nq, kg)`` int64 of each row's ``kg ≤ n_groups`` largest group maxima (order unspecified)."""
     now = settings()
-    if now.triton_topk and topk_kernels.supported(kg) and group_max.shape[0] <= now.triton_topk_max_queries:
+    nq = group_max.shape[0]
+    if now.triton_topk and topk_kernels.supported(kg) and (
+            nq <= now.triton_topk_max_queries or topk_kernels.filter_serves(nq, kg)):
         return topk_kernels.row_topk(group_max, kg, block=_topk_block())[1]
     return torch.topk(group_max, kg, dim=1, sorted=False).indices
 

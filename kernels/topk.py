@@ -257,9 +257,14 @@ def row_topk(
     if not supported(kc):
         best, pos = torch.topk(values, kc, dim=1)
         return best, pos if ids is None else ids.gather(1, pos)
-    if ids is None and nq >= FILTER_MIN_ROWS and k_pad(kc) <= FILTER_MAX_K_PAD:
+    if ids is None and filter_serves(nq, kc):
         return _filtered(values, kc, block)
     return _passes(values, ids, None, kc, block)
+
+
+def filter_serves(nq: int, k: int) -> bool:
+    """Whether :func:`row_topk` of ``nq`` rows without ids takes :func:`filtered_topk_kernel` for a top-``k``."""
+    return nq >= FILTER_MIN_ROWS and k_pad(k) <= FILTER_MAX_K_PAD
 
 
 def _filtered(values: torch.Tensor, kc: int, block: int | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -143,13 +143,13 @@ def _recorded_topk_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
-def _search_case(seed: int) -> tuple[TurboQuantizer, Codes, scan.CodeBlock, torch.Tensor]:
-    """A 4-bit quantizer of 40 dimensions, the CPU codes of 300 random rows, their block on KERNEL_DEVICE and 3
+def _search_case(seed: int, nq: int = 3) -> tuple[TurboQuantizer, Codes, scan.CodeBlock, torch.Tensor]:
+    """A 4-bit quantizer of 40 dimensions, the CPU codes of 300 random rows, their block on KERNEL_DEVICE and ``nq``
     rotated random queries (CPU), drawn from ``seed``."""
     tq = TurboQuantizer(40, 4, seed=0)
     gen = torch.Generator().manual_seed(seed)
     codes = tq.encode(torch.randn(300, 40, generator=gen))
-    rotated, _ = tq.rotate_queries(torch.randn(3, 40, generator=gen))
+    rotated, _ = tq.rotate_queries(torch.randn(nq, 40, generator=gen))
     return tq, codes, tq.code_block(codes.to(KERNEL_DEVICE)), rotated
 
 
@@ -175,6 +175,20 @@ def test_final_topk_over_kept_keys_beyond_the_query_limit(monkeypatch: pytest.Mo
     with ops.configured(triton_topk_max_queries=2):
         got = ops.search(rotated, block, tq.table(KERNEL_DEVICE), 5)
     assert calls == ["keys_topk"]
+    with ops.configured(triton_topk=False):
+        old = ops.search(rotated, block, tq.table(KERNEL_DEVICE), 5)
+    assert torch.equal(got[0].cpu(), old[0].cpu()) and torch.equal(got[1].cpu(), old[1].cpu())
+
+
+def test_filtered_group_choice_beyond_the_query_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More queries than triton_topk_max_queries, at least FILTER_MIN_ROWS: the filtered kernel still chooses the
+    groups, with the torch.topk path's answer."""
+    tq, _, block, rotated = _search_case(2, nq=topk.FILTER_MIN_ROWS)
+    rotated = rotated.to(KERNEL_DEVICE)
+    calls = _recorded_topk_calls(monkeypatch)
+    with ops.configured(triton_topk_max_queries=2):
+        got = ops.search(rotated, block, tq.table(KERNEL_DEVICE), 5)
+    assert calls == ["row_topk", "keys_topk"]
     with ops.configured(triton_topk=False):
         old = ops.search(rotated, block, tq.table(KERNEL_DEVICE), 5)
     assert torch.equal(got[0].cpu(), old[0].cpu()) and torch.equal(got[1].cpu(), old[1].cpu())
