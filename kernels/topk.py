@@ -13,7 +13,7 @@ pass (one split per row), decodes the best ``k_out`` of them. :func:`row_topk` c
 first splits each row over many programs (so that 100 queries × 8192 group maxima use 800 programs,
 not 100), each further pass merges ``K_PAD`` keys per split.
 
-Rows of many queries take one program each (:func:`filtered_topk_kernel`): a floor that at least ``K_PAD`` of the
+Rows of many queries take one program each (:func:`filtered_topk_kernel`): a floor that at least ``k`` of the
 row's candidates reach, rising as the row streams by, lets through only the few candidates that can be among the
 best; those are gathered and selected once (all of them, if more than ``FILTER_CAP`` pass). No sort runs over the
 rest, where the passes above sort every block.
@@ -47,11 +47,12 @@ SMALL_NQ = 8
 SERIAL_BLOCKS = 4
 
 #: :func:`filtered_topk_kernel` serves rows without ids of at least ``FILTER_MIN_ROWS`` rows and ``k_pad(k)`` up to
-#: ``FILTER_MAX_K_PAD``: candidates per block, and candidates passed on per row to the one selection (beyond: every
-#: candidate, merged block by block)
+#: ``FILTER_MAX_K_PAD``: candidates per block, strips (at most; at least ``k_pad(k)``) and candidates passed on per
+#: row to the one selection (beyond: every candidate, merged block by block)
 FILTER_MIN_ROWS = SMALL_NQ
 FILTER_MAX_K_PAD = 64
 FILTER_BLOCK = 4096
+FILTER_STRIPS = 128
 FILTER_CAP = 512
 
 #: run ``tl.topk`` under the interpreter too (slow: tests of a few tiny shapes set it)
@@ -166,29 +167,31 @@ def topk_kernel(
 @triton.jit
 def filtered_topk_kernel(
     val_ptr, passed_ptr, out_val_ptr, out_idx_ptr, length, stride_in, stride_out, k_out,
-    K_PAD: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, BITONIC: tl.constexpr,
+    K_PAD: tl.constexpr, STRIPS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, BITONIC: tl.constexpr,
 ):
     """The best ``k_out ≤ K_PAD`` of row ``r``'s candidates ``val[r, :length]`` (float32, ids the columns), program r:
     values to ``out_val[r, :k_out]``, ids to ``out_idx[r, :k_out]``, best first (as :func:`topk_kernel` with
     ``FINAL``).
 
-    The columns seen so far fall into ``K_PAD`` strips (column mod ``K_PAD``); the least of the strips' maxima is a
-    floor that ``K_PAD`` distinct candidates reach, so the ``K_PAD`` best are at or above it. It only rises as blocks
-    of ``BLOCK`` stream by, and each block passes its columns at or above the current floor to ``passed[r, :CAP]``
-    (int32 scratch). The best ``K_PAD`` keys of the passed columns are the row's; if more than ``CAP`` pass, every
-    block is merged instead.
+    The columns seen so far fall into ``STRIPS ≥ k_out`` strips (column mod ``STRIPS``); the ``k_out``-th largest of
+    the strips' maxima is a floor that ``k_out`` distinct candidates reach, so the ``k_out`` best are at or above it.
+    It only rises as blocks of ``BLOCK`` stream by, and each block passes its columns at or above the current floor to
+    ``passed[r, :CAP]`` (int32 scratch). The best ``k_out`` keys of the passed columns are the row's; if more than
+    ``CAP`` pass, every block is merged instead.
     """
     row = tl.program_id(0).to(tl.int64)
     values_row = val_ptr + row * stride_in
     passed_row = passed_ptr + row * CAP
-    strips = tl.full([K_PAD], float("-inf"), tl.float32)
-    count = tl.sum(tl.zeros([K_PAD], tl.int32), axis=0)
+    strips = tl.full([STRIPS], float("-inf"), tl.float32)
+    count = tl.sum(tl.zeros([STRIPS], tl.int32), axis=0)
     for start in range(0, length, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         inside = cols < length
         values = tl.load(values_row + cols, mask=inside, other=float("-inf"))
-        strips = tl.maximum(strips, tl.max(tl.reshape(values, [BLOCK // K_PAD, K_PAD]), axis=0))
-        through = inside & (values >= tl.min(strips, axis=0))
+        strips = tl.maximum(strips, tl.max(tl.reshape(values, [BLOCK // STRIPS, STRIPS]), axis=0))
+        reached = tl.sum((strips[None, :] >= strips[:, None]).to(tl.int32), axis=1)  # strips at or above each one
+        floor = tl.max(tl.where(reached >= k_out, strips, float("-inf")), axis=0)
+        through = inside & (values >= floor)
         slot = count + tl.cumsum(through.to(tl.int32), axis=0) - 1
         tl.store(passed_row + slot, cols, mask=through & (slot < CAP))
         count += tl.sum(through.to(tl.int32), axis=0)
@@ -277,7 +280,8 @@ def _filtered(values: torch.Tensor, kc: int, block: int | None) -> tuple[torch.T
     cap = max(FILTER_CAP, kp)
     passed = torch.empty(nq, cap, dtype=torch.int32, device=values.device)
     filtered_topk_kernel[(nq,)](values, passed, out_val, out_idx, length, values.stride(0), kc, kc, K_PAD=kp,
-                                BLOCK=block, CAP=cap, BITONIC=bitonic(), num_warps=_warps(block))
+                                STRIPS=min(FILTER_STRIPS, block), BLOCK=block, CAP=cap, BITONIC=bitonic(),
+                                num_warps=_warps(block))
     return out_val, out_idx
 
 
