@@ -47,12 +47,14 @@ SMALL_NQ = 8
 SERIAL_BLOCKS = 4
 
 #: :func:`filtered_topk_kernel` serves rows without ids of at least ``FILTER_MIN_ROWS`` rows and ``k_pad(k)`` up to
-#: ``FILTER_MAX_K_PAD``: candidates per block, strips (at most; at least ``k_pad(k)``) and candidates passed on per
-#: row to the one selection (beyond: every candidate, merged block by block)
+#: ``FILTER_MAX_K_PAD``: candidates per block, strips (at least ``k_pad(k)``), and candidates passed on per row to the
+#: one selection (beyond: every candidate, merged block by block). H100, 1M rows, 100 and 10,000 queries: 32 strips
+#: 1-5% faster than 64 or 128; 256 passed no faster; on real data's group maxima at most 115 of 15,051 pass
+#: (bench/results/gpu_scan_runs/30bc81d-filter)
 FILTER_MIN_ROWS = SMALL_NQ
 FILTER_MAX_K_PAD = 64
 FILTER_BLOCK = 4096
-FILTER_STRIPS = 128
+FILTER_STRIPS = 32
 FILTER_CAP = 512
 
 #: run ``tl.topk`` under the interpreter too (slow: tests of a few tiny shapes set it)
@@ -280,7 +282,7 @@ def _filtered(values: torch.Tensor, kc: int, block: int | None) -> tuple[torch.T
     cap = max(FILTER_CAP, kp)
     passed = torch.empty(nq, cap, dtype=torch.int32, device=values.device)
     filtered_topk_kernel[(nq,)](values, passed, out_val, out_idx, length, values.stride(0), kc, kc, K_PAD=kp,
-                                STRIPS=min(FILTER_STRIPS, block), BLOCK=block, CAP=cap, BITONIC=bitonic(),
+                                STRIPS=min(max(FILTER_STRIPS, kp), block), BLOCK=block, CAP=cap, BITONIC=bitonic(),
                                 num_warps=_warps(block))
     return out_val, out_idx
 

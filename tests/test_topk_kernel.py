@@ -82,7 +82,8 @@ def test_row_topk_matches_torch(monkeypatch: pytest.MonkeyPatch, nq: int, length
     (9, 200, 10, 16, "ties"),        # ties at the floor, -inf and ±0
     (10, 130, 9, 16, "inf"),         # mostly -inf: strips without a finite candidate
     (8, 5, 10, 16, "randn"),         # k > length
-    (12, 1000, 3, 64, "randn"),      # 4 strips, many blocks
+    (12, 1000, 3, 64, "randn"),      # many blocks
+    (8, 500, 33, 64, "randn"),       # k_pad (64) above FILTER_STRIPS: as many strips
     (8, 700, 20, 32, "ascending"),   # the floor rises with every block
     (8, 300, 10, 32, "constant"),    # every candidate equal to the floor: all pass, ids break the ties
 ])
