@@ -279,7 +279,7 @@ def _filtered(values: torch.Tensor, kc: int, block: int | None) -> tuple[torch.T
     block = max(block or FILTER_BLOCK, kp)
     out_val = torch.empty(nq, kc, dtype=torch.float32, device=values.device)
     out_idx = torch.empty(nq, kc, dtype=torch.int64, device=values.device)
-    cap = max(FILTER_CAP, kp)
+    cap = max(kp, min(FILTER_CAP, pow2(length)))  # rows of fewer candidates never pass more than they hold
     passed = torch.empty(nq, cap, dtype=torch.int32, device=values.device)
     filtered_topk_kernel[(nq,)](values, passed, out_val, out_idx, length, values.stride(0), kc, kc, K_PAD=kp,
                                 STRIPS=min(max(FILTER_STRIPS, kp), block), BLOCK=block, CAP=cap, BITONIC=bitonic(),

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fourth call, at 3271bf6 (the filter's floor over 32 strips): after an install the top-k GPU tests, then
+# Fourth call (the filter's floor over 32 strips, its scratch at most the row's length rounded up): after an install the top-k GPU tests, then
 # c1b0919-table/call.sh (the table of 1M rows at d = 128-1536 and of 10M x 128, `gpu-scan --check`, and
 # `index-cuda-check` at d = 384 with 600 queries) on whatever card comes. From the repository root with OUT set.
 export PYTHONUNBUFFERED=1
