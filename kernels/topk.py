@@ -167,6 +167,15 @@ def topk_kernel(
 
 
 @triton.jit
+def _column_block(values_row, start, length, BLOCK: tl.constexpr):
+    """Columns ``start .. start + BLOCK`` of a row at ``values_row``: ``(cols, inside, values)``, ``-inf`` past
+    ``length``."""
+    cols = start + tl.arange(0, BLOCK)
+    inside = cols < length
+    return cols, inside, tl.load(values_row + cols, mask=inside, other=float("-inf"))
+
+
+@triton.jit
 def filtered_topk_kernel(
     val_ptr, passed_ptr, out_val_ptr, out_idx_ptr, length, stride_in, stride_out, k_out,
     K_PAD: tl.constexpr, STRIPS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, BITONIC: tl.constexpr,
@@ -187,9 +196,7 @@ def filtered_topk_kernel(
     strips = tl.full([STRIPS], float("-inf"), tl.float32)
     count = tl.sum(tl.zeros([STRIPS], tl.int32), axis=0)
     for start in range(0, length, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        inside = cols < length
-        values = tl.load(values_row + cols, mask=inside, other=float("-inf"))
+        cols, inside, values = _column_block(values_row, start, length, BLOCK)
         strips = tl.maximum(strips, tl.max(tl.reshape(values, [BLOCK // STRIPS, STRIPS]), axis=0))
         reached = tl.sum((strips[None, :] >= strips[:, None]).to(tl.int32), axis=1)  # strips at or above each one
         floor = tl.max(tl.where(reached >= k_out, strips, float("-inf")), axis=0)
@@ -203,13 +210,11 @@ def filtered_topk_kernel(
         have = pos < count
         cols = tl.load(passed_row + pos, mask=have, other=0)
         values = tl.load(values_row + cols, mask=have, other=float("-inf"))
-        best = _top(tl.where(have, _keys(values, cols), -9223372036854775808), K_PAD, BITONIC)
+        best = best_keys(values, cols, have, K_PAD, BITONIC)
     else:
         best = tl.full([K_PAD], -9223372036854775808, tl.int64)
         for start in range(0, length, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            inside = cols < length
-            values = tl.load(values_row + cols, mask=inside, other=float("-inf"))
+            cols, inside, values = _column_block(values_row, start, length, BLOCK)
             best = _merge(best, tl.where(inside, _keys(values, cols), -9223372036854775808), K_PAD, BITONIC)
     _store_final(best, out_val_ptr, out_idx_ptr, row, stride_out, k_out, True, K_PAD)
 
